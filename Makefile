@@ -1,0 +1,37 @@
+# Every install step lives here: CI runs `make test` on a clean clone.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
+
+.PHONY: install openblas run test clean
+
+install: $(VENV)/.installed openblas
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+# MLX's Linux CPU wheel bundles the slow reference BLAS; the worker switches to
+# Debian's OpenBLAS when it is installed (about 40x faster matmul).
+openblas:
+	@if [ "$$(uname)" = Linux ] && [ ! -e $(OPENBLAS) ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && apt-get install -y -qq libopenblas0-pthread >/dev/null; \
+	  elif command -v sudo >/dev/null && sudo -n true 2>/dev/null && command -v apt-get >/dev/null; then \
+	    sudo apt-get update -qq && sudo apt-get install -y -qq libopenblas0-pthread >/dev/null; \
+	  else \
+	    echo "note: cannot install libopenblas0-pthread here; MLX will use its slow bundled BLAS"; \
+	  fi; \
+	fi
+
+run: install
+	$(VENV)/bin/mlxd serve $(if $(MODEL),--model $(MODEL))
+
+test: install
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

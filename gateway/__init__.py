@@ -1,0 +1,4 @@
+"""The HTTP gateway: OpenAI API in front, msgspec over ZeroMQ to a worker behind.
+
+Never imports mlx.
+"""

@@ -1,0 +1,95 @@
+"""The `mlxd` command.
+
+  mlxd serve --model M     gateway + one supervised worker, in one command
+  mlxd gateway ...         the HTTP half (as launchd runs it)
+  mlxd worker ...          the MLX half (as launchd runs it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import tempfile
+
+import uvicorn
+
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+from protocol.settings import add_arguments, resolve
+from protocol.worker_settings import WorkerSettings
+
+USAGE = __doc__
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s mlxd-gateway[%(process)d] %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _run_gateway(settings: GatewaySettings, on_startup=None, on_shutdown=None) -> int:
+    app = create_app(settings, on_startup=on_startup, on_shutdown=on_shutdown)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    return 0
+
+
+def gateway_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="mlxd gateway", description="The mlxd HTTP gateway.")
+    add_arguments(parser, GatewaySettings)
+    args = parser.parse_args(argv)
+    try:
+        settings = resolve(GatewaySettings, args)
+    except ValueError as e:
+        parser.error(str(e))
+    _configure_logging(settings.log_level)
+    return _run_gateway(settings)
+
+
+def serve_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mlxd serve",
+        description="Serve a model: the gateway plus one worker it starts and stops.",
+        conflict_handler="resolve",
+    )
+    # The worker talks to this gateway alone, through a socket in a fresh
+    # private (0700) directory, so the endpoint is not the user's to set.
+    add_arguments(parser, WorkerSettings, exclude=frozenset({"worker_endpoint"}))
+    add_arguments(parser, GatewaySettings, exclude=frozenset({"worker_endpoint"}))
+    args = parser.parse_args(argv)
+    runtime = tempfile.mkdtemp(prefix="mlxd-")
+    args.worker_endpoint = f"ipc://{runtime}/worker.sock"
+    try:
+        gateway_settings = resolve(GatewaySettings, args)
+        worker_settings = resolve(WorkerSettings, args)
+    except ValueError as e:
+        os.rmdir(runtime)
+        parser.error(str(e))
+    _configure_logging(gateway_settings.log_level)
+
+    from gateway.supervisor import WorkerProcess
+
+    worker = WorkerProcess(worker_settings)
+    try:
+        return _run_gateway(gateway_settings, on_startup=worker.start, on_shutdown=worker.stop)
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command, rest = (argv[0], argv[1:]) if argv else ("", [])
+    if command == "worker":
+        # Replace this process with the worker program, so that MLX is never
+        # imported by gateway code and launchd supervises the worker's own PID.
+        os.execv(sys.executable, [sys.executable, "-m", "worker", *rest])
+    if command == "gateway":
+        return gateway_main(rest)
+    if command == "serve":
+        return serve_main(rest)
+    print(USAGE.strip(), file=sys.stderr if command not in ("-h", "--help") else sys.stdout)
+    return 0 if command in ("-h", "--help") else 2

@@ -1,0 +1,80 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(e: APIError) -> Response:
+    return Response(
+        msgspec.json.encode(error_body(e.message, e.type, e.param, e.code)),
+        status_code=e.status,
+        media_type="application/json",
+        headers=e.headers,
+    )
+
+
+_PATH = re.compile(r" - at `\$\.?(.*)`$")
+
+
+def decode_body(body: bytes, request_type: type):
+    """Decode and validate a JSON body into `request_type`, or raise a 400."""
+    try:
+        return msgspec.json.decode(body, type=request_type)
+    except msgspec.ValidationError as e:
+        message = str(e)
+        match = _PATH.search(message)
+        param = match.group(1) if match and match.group(1) else None
+        unknown = re.match(r"Object contains unknown field `(.+?)`", message)
+        if unknown:
+            name = f"{param}.{unknown.group(1)}" if param else unknown.group(1)
+            raise APIError(400, f"Unsupported parameter: '{name}'", param=name, code="unsupported_parameter")
+        raise APIError(400, message, param=param) from None
+    except msgspec.DecodeError as e:
+        raise APIError(400, f"The body is not valid JSON: {e}", code="invalid_json") from None
+
+
+async def api_error_handler(_request: Request, e: APIError) -> Response:
+    return error_response(e)
+
+
+_STATUS_TYPES = {404: "not_found_error", 405: "invalid_request_error"}
+
+
+async def http_error_handler(_request: Request, e: HTTPException) -> Response:
+    return error_response(
+        APIError(e.status_code, str(e.detail), type=_STATUS_TYPES.get(e.status_code, "invalid_request_error"))
+    )
+
+
+async def internal_error_handler(_request: Request, _e: Exception) -> Response:
+    # Starlette re-raises the exception after this, and uvicorn logs it.
+    return error_response(APIError(500, "internal server error", type="server_error"))

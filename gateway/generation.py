@@ -1,0 +1,95 @@
+"""One request's journey from worker tokens to client text.
+
+`render` runs on the link's detokenizer thread, once per step output; the
+resulting Delta is handed to the request's queue on the event loop, where the
+HTTP handler turns it into SSE chunks or one JSON body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
+from protocol import RequestOutput
+
+
+@dataclass(slots=True)
+class Delta:
+    text: str
+    # "stop" (EOS, stop token or stop string), "length", or "error"
+    finish_reason: str | None = None
+    error: str | None = None
+    # The HTTP status an error maps to when no 200 has been sent yet.
+    error_status: int = 500
+    # True when a stop string ended the request and the worker, which knows
+    # nothing of strings, must be told to abort it.
+    abort_worker: bool = False
+
+
+class StopMatcher:
+    """Finds stop strings across token boundaries and never lets one out.
+
+    Holds back the last len(longest stop) - 1 characters, which may be the
+    start of a stop string still arriving.
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self._stops = stops
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self._pending = ""
+
+    def feed(self, text: str, final: bool) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string was hit)."""
+        self._pending += text
+        hits = [i for i in (self._pending.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            out, self._pending = self._pending[: min(hits)], ""
+            return out, True
+        if final or not self._hold:
+            out, self._pending = self._pending, ""
+        else:
+            cut = max(len(self._pending) - self._hold, 0)
+            out, self._pending = self._pending[:cut], self._pending[cut:]
+        return out, False
+
+
+class RequestStream:
+    def __init__(self, request_id: str, prompt_tokens: int, tokenizer: Tokenizer, stop: list[str]) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.finished = False
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._stops = StopMatcher(stop)
+        self._rendered_final = False
+
+    def render(self, output: RequestOutput) -> Delta | None:
+        """Detokenizer thread: the text this step adds. None once finished."""
+        if self._rendered_final:
+            return None
+        token_ids = output.token_ids
+        self.completion_tokens += len(token_ids)
+        if output.finish_reason == "stop":
+            token_ids = token_ids[:-1]
+        final = output.finish_reason is not None
+        text = self._detokenizer.add(token_ids)
+        if final:
+            text += self._detokenizer.flush()
+        text, hit = self._stops.feed(text, final)
+        self._rendered_final = final or hit
+        if hit:
+            return Delta(text, "stop", abort_worker=not final)
+        return Delta(text, output.finish_reason)
+
+    def fail(self, message: str, status: int) -> Delta:
+        self._rendered_final = True
+        return Delta("", "error", error=message, error_status=status)
+
+    async def deltas(self):
+        """Every Delta until the final one (which is yielded too)."""
+        while not self.finished:
+            delta = await self.queue.get()
+            self.finished = delta.finish_reason is not None
+            yield delta

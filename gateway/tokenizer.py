@@ -1,0 +1,93 @@
+"""The served model's tokenizer, rebuilt in the gateway from the worker's Hello.
+
+Tokenizing and detokenizing are CPU work: callers run them off the event loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+# transformers warns at import that PyTorch is missing; the gateway only
+# needs its tokenizers, so that warning is noise.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from jinja2 import TemplateError  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+
+class PromptError(ValueError):
+    """A prompt the tokenizer or chat template cannot render; a 400 for the client."""
+
+
+def files_digest(files: dict[str, bytes]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
+    return h.hexdigest()
+
+
+class Tokenizer:
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.digest = files_digest(files)
+        with tempfile.TemporaryDirectory(prefix="mlxd-tokenizer-") as tmp:
+            for name, data in files.items():
+                (Path(tmp) / Path(name).name).write_bytes(data)
+            self._tok = AutoTokenizer.from_pretrained(tmp)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._tok.chat_template)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        if not self.has_chat_template:
+            raise PromptError("this model has no chat template; use /v1/completions")
+        try:
+            text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except TemplateError as e:
+            raise PromptError(f"the model's chat template rejected these messages: {e}") from None
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def encode_text(self, text: str) -> list[int]:
+        # As mlx-lm does: add the BOS token unless the prompt already starts with it.
+        bos = self._tok.bos_token
+        return self._tok.encode(text, add_special_tokens=bos is None or not text.startswith(bos))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas, exact at every step.
+
+    A token may end in the middle of a multi-byte character, and some
+    tokenizers change a token's text depending on its neighbours, so each
+    step decodes a short window of recent tokens twice (before and after the
+    new ones) and emits the difference; text ending in U+FFFD is held back
+    until the character completes.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._tokens: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def add(self, token_ids: list[int]) -> str:
+        self._tokens.extend(token_ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        decode = self._tokenizer.decode
+        prefix = decode(self._tokens[self._prefix_offset : self._read_offset])
+        text = decode(self._tokens[self._prefix_offset :])
+        if len(text) <= len(prefix) or (text.endswith("\ufffd") and not final):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        return text[len(prefix) :]

@@ -1,0 +1,53 @@
+"""Messages the gateway and the worker exchange, and their encoding.
+
+Pure data: no sockets, no MLX, no Starlette. Both sides import this package and
+never each other.
+"""
+
+from protocol.codec import (
+    ProtocolError,
+    decode_from_worker,
+    decode_to_worker,
+    encode,
+    hello_version,
+)
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    AddRequest,
+    Abort,
+    AffinityReport,
+    Error,
+    FromWorker,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Refused,
+    RequestOutput,
+    Sampling,
+    StepOutput,
+    ToWorker,
+    Welcome,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "AddRequest",
+    "Abort",
+    "AffinityReport",
+    "Error",
+    "FromWorker",
+    "Goodbye",
+    "Heartbeat",
+    "Hello",
+    "ProtocolError",
+    "Refused",
+    "RequestOutput",
+    "Sampling",
+    "StepOutput",
+    "ToWorker",
+    "Welcome",
+    "decode_from_worker",
+    "decode_to_worker",
+    "encode",
+    "hello_version",
+]

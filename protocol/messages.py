@@ -1,0 +1,137 @@
+"""The message types of the gateway <-> worker wire.
+
+Every struct is encoded as a msgpack array whose first element is its tag, so
+evolving the protocol has one rule: a struct only gains fields at the end, each
+with a default. Anything else bumps PROTOCOL_VERSION, and the handshake refuses
+a peer of another version with a message naming both.
+
+`Hello.protocol_version` and `Refused.reason` sit right after the tag and stay
+there forever, so peers of any version can read them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class _Message(msgspec.Struct, array_like=True, tag_field="type", omit_defaults=False):
+    pass
+
+
+class Sampling(msgspec.Struct, array_like=True):
+    """How one request picks its tokens; temperature 0 means greedy."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+# ---- gateway -> worker ------------------------------------------------------
+
+
+class Welcome(_Message, tag="welcome"):
+    """The gateway accepted the worker's Hello; it may expect requests now."""
+
+    epoch: int
+
+
+class Refused(_Message, tag="refused"):
+    """The gateway will not talk to this worker; the worker exits."""
+
+    reason: str
+
+
+class AddRequest(_Message, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+
+
+class Abort(_Message, tag="abort"):
+    """Drop these requests before the next step. Unknown ids are ignored."""
+
+    request_ids: list[str]
+
+
+ToWorker = Welcome | Refused | AddRequest | Abort
+
+
+# ---- worker -> gateway ------------------------------------------------------
+
+
+class Hello(_Message, tag="hello"):
+    """Sent when a worker connects (and again until welcomed).
+
+    It carries the tokenizer's files, so the gateway needs no model
+    configuration of its own and the worker may live on another machine.
+    """
+
+    protocol_version: int
+    epoch: int
+    pid: int
+    model: str
+    context_length: int
+    vocab_size: int
+    capacity: int
+    eos_token_ids: list[int]
+    tokenizer_files: dict[str, bytes]
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class RequestOutput(msgspec.Struct, array_like=True):
+    """New tokens of one request in one step.
+
+    finish_reason "stop" means the last token is a stop token (EOS or one of
+    the request's stop_token_ids): it counts as generated but is not text.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+
+
+class StepOutput(_Message, tag="step"):
+    """Everything one engine step produced, for every active request."""
+
+    step: int
+    outputs: list[RequestOutput]
+
+
+class AffinityReport(msgspec.Struct, array_like=True):
+    """MLX evaluations the worker triggered, and how many ran off its main thread."""
+
+    evaluations: int
+    off_main_thread: int
+
+
+class Heartbeat(_Message, tag="heartbeat"):
+    step: int
+    running: int
+    waiting: int
+    affinity: AffinityReport | None = None
+
+
+class Error(_Message, tag="error"):
+    """A message the worker could not act on. request_id names the request
+    that failed, or is None when the message itself was unreadable."""
+
+    request_id: str | None
+    message: str
+
+
+class Goodbye(_Message, tag="goodbye"):
+    reason: str
+
+
+FromWorker = Hello | StepOutput | Heartbeat | Error | Goodbye

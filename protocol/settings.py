@@ -1,0 +1,107 @@
+"""One settings struct per process, filled from CLI flags, then MLXD_* environment
+variables, then the struct's defaults. The same name everywhere: field
+`worker_endpoint` is flag `--worker-endpoint` and variable `MLXD_WORKER_ENDPOINT`.
+
+Each field documents itself with `Annotated[T, msgspec.Meta(description=...)]`;
+that text is its `--help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import msgspec
+import msgspec.inspect as mi
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def _unwrap(t: mi.Type) -> tuple[mi.Type, str]:
+    if isinstance(t, mi.Metadata):
+        return t.type, (t.extra_json_schema or {}).get("description", "")
+    return t, ""
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def env_name(field: str) -> str:
+    return "MLXD_" + field.upper()
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser, settings_type: type[msgspec.Struct], exclude: frozenset[str] = frozenset()
+) -> None:
+    """Add one flag per settings field; unset flags stay None so env and defaults apply."""
+    for f in mi.type_info(settings_type).fields:
+        if f.name in exclude:
+            continue
+        t, description = _unwrap(f.type)
+        default = "" if f.default is mi.NODEFAULT else f" (default: {f.default!r})"
+        help_text = f"{description} [env {env_name(f.name)}]{default}"
+        if isinstance(t, mi.BoolType):
+            parser.add_argument(
+                flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
+                default=None, help=help_text,
+            )
+        elif isinstance(t, mi.ListType):
+            parser.add_argument(
+                flag_name(f.name), dest=f.name, action="append", default=None,
+                help=help_text + " (repeatable; env: comma-separated)",
+            )
+        else:
+            parser.add_argument(flag_name(f.name), dest=f.name, default=None, help=help_text)
+
+
+def resolve(
+    settings_type: type[S],
+    args: argparse.Namespace,
+    environ: Mapping[str, str] = os.environ,
+) -> S:
+    """Flags win over MLXD_* variables, which win over defaults.
+
+    Raises ValueError naming the flag and variable of a bad value.
+    """
+    raw: dict[str, Any] = {}
+    for f in mi.type_info(settings_type).fields:
+        value = getattr(args, f.name, None)
+        if value is None and env_name(f.name) in environ:
+            value = environ[env_name(f.name)]
+            if isinstance(_unwrap(f.type)[0], mi.ListType):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+        if value is not None:
+            raw[f.name] = value
+    try:
+        return msgspec.convert(raw, settings_type, strict=False)
+    except msgspec.ValidationError as e:
+        message = str(e)
+        missing = re.match(r"Object missing required field `(\w+)`", message)
+        if missing:
+            field = missing.group(1)
+            raise ValueError(f"{flag_name(field)} (or {env_name(field)}) is required") from None
+        field = message.rpartition("$.")[2].split("[")[0]
+        if field in raw:
+            message = f"{flag_name(field)} / {env_name(field)}: {message}"
+        raise ValueError(message) from None
+
+
+def to_arguments(settings: msgspec.Struct) -> list[str]:
+    """The flags that reproduce `settings` in another process's `resolve`."""
+    argv: list[str] = []
+    for f in mi.type_info(type(settings)).fields:
+        value = getattr(settings, f.name)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(flag_name(f.name) if value else "--no-" + flag_name(f.name)[2:])
+        elif isinstance(value, list):
+            for item in value:
+                argv += [flag_name(f.name), str(item)]
+        else:
+            argv += [flag_name(f.name), str(value)]
+    return argv

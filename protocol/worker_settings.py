@@ -1,0 +1,30 @@
+"""How a worker is configured. It lives here, not in worker/, because `mlxd serve`
+(gateway side) launches workers and must speak their flags without importing them."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from protocol.endpoints import default_worker_endpoint
+
+
+class WorkerSettings(msgspec.Struct, kw_only=True):
+    model: Annotated[str, Meta(description="model to serve: an mlx-lm model directory")]
+    worker_endpoint: Annotated[
+        str, Meta(description="ZeroMQ endpoint of the gateway to connect to")
+    ] = default_worker_endpoint()
+    max_batch: Annotated[
+        int, Meta(ge=1, description="requests decoded together in one batch (the worker's capacity)")
+    ] = 32
+    prefill_batch: Annotated[int, Meta(ge=1, description="prompts prefilled together in one step")] = 8
+    prefill_chunk: Annotated[
+        int, Meta(ge=16, description="prompt tokens per prefill step; bounds how long one step takes")
+    ] = 2048
+    context_length: Annotated[
+        int | None, Meta(description="cap on the model's context length in tokens")
+    ] = None
+    heartbeat_s: Annotated[float, Meta(gt=0, description="seconds between heartbeats")] = 0.5
+    log_level: Annotated[str, Meta(description="debug, info, warning or error")] = "info"

@@ -1,0 +1,105 @@
+"""A tiny random-weight llama model with a tokenizer trained on the spot.
+
+Real MLX, real mlx-lm loading, real HF tokenizer files and chat template;
+small enough to build in well under a second and decode at hundreds of
+tokens/s on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France; Berlin is the capital of Germany.",
+    "Once upon a time there was a small server that answered every question.",
+    "Tokens flow from the worker to the gateway and out to the client.",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 and symbols ! ? , . : ; ( ) [ ] { } \" ' - _ / \\",
+    "héllo wörld ñandú — naïve café: ünïcödé text 😀 漢字",
+] * 20
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def train_tokenizer(vocab_size: int = 384) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    return tok
+
+
+def make_tiny_model(
+    path: Path,
+    *,
+    seed: int = 0,
+    layers: int = 2,
+    hidden: int = 64,
+    context: int = 2048,
+    logit_scale: float = 8.0,
+) -> Path:
+    """Write a loadable mlx-lm model directory at `path` and return it.
+
+    logit_scale sharpens the random lm_head so that greedy choices are far
+    apart: batched and single-request decoding round floats differently, and
+    a near-tie would make their outputs differ for reasons unrelated to the
+    server.
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer()
+    tok.save(str(path / "tokenizer.json"))
+    vocab_size = tok.get_vocab_size()
+    eos_id = tok.token_to_id("<|im_end|>")
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "unk_token": None,
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": context,
+                "clean_up_tokenization_spaces": False,
+            }
+        )
+    )
+    config = {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": hidden * 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": context,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "eos_token_id": eos_id,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model.lm_head.weight = model.lm_head.weight * logit_scale
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    return path

@@ -1,0 +1,122 @@
+"""Continuous batching over mlx-lm's BatchGenerator, keyed by request id.
+
+Runs on the worker's main thread only; every method may call into MLX.
+"""
+
+from __future__ import annotations
+
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from protocol import AddRequest, RequestOutput
+from worker.sampling import make_sampler
+
+
+class InvalidRequest(ValueError):
+    """An AddRequest the engine will not run; the message says why."""
+
+
+class Engine:
+    def __init__(
+        self,
+        model,
+        *,
+        eos_token_ids: list[int],
+        vocab_size: int,
+        context_length: int,
+        capacity: int,
+        prefill_batch_size: int,
+        prefill_step_size: int,
+    ) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.context_length = context_length
+        self.capacity = capacity
+        self.steps = 0
+        self._generator = BatchGenerator(
+            model,
+            completion_batch_size=capacity,
+            prefill_batch_size=min(prefill_batch_size, capacity),
+            prefill_step_size=prefill_step_size,
+        )
+        self._uid_of: dict[str, int] = {}
+        self._request_of: dict[int, str] = {}
+        self._waiting: set[str] = set()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._uid_of)
+
+    @property
+    def running(self) -> int:
+        return len(self._uid_of) - len(self._waiting)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def _check(self, request: AddRequest) -> None:
+        if request.request_id in self._uid_of:
+            raise InvalidRequest(f"request id {request.request_id!r} is already running")
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise InvalidRequest("empty prompt")
+        if len(prompt) >= self.context_length:
+            raise InvalidRequest(
+                f"prompt of {len(prompt)} tokens leaves no room in a context of {self.context_length}"
+            )
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary (size {self.vocab_size})")
+        s = request.sampling
+        if s.max_tokens < 1:
+            raise InvalidRequest("max_tokens must be at least 1")
+        if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0 or not 0 <= s.min_p <= 1:
+            raise InvalidRequest(f"sampling parameters out of range: {s}")
+
+    def add(self, request: AddRequest) -> None:
+        self._check(request)
+        s = request.sampling
+        stop_ids = list(s.stop_token_ids) + ([] if s.ignore_eos else self.eos_token_ids)
+        max_tokens = min(s.max_tokens, self.context_length - len(request.prompt_token_ids))
+        (uid,) = self._generator.insert(
+            [request.prompt_token_ids],
+            max_tokens=[max_tokens],
+            samplers=[make_sampler(s)],
+            stop_sequences=[StopSequences([[t] for t in stop_ids])],
+        )
+        self._uid_of[request.request_id] = uid
+        self._request_of[uid] = request.request_id
+        self._waiting.add(request.request_id)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop requests; unknown or finished ids are ignored (aborts are idempotent)."""
+        uids = [self._uid_of[r] for r in request_ids if r in self._uid_of]
+        if uids:
+            self._generator.remove(uids)
+        for uid in uids:
+            self._forget(uid)
+
+    def abort_all(self) -> list[str]:
+        ids = list(self._uid_of)
+        self.abort(ids)
+        return ids
+
+    def _forget(self, uid: int) -> None:
+        request_id = self._request_of.pop(uid)
+        del self._uid_of[request_id]
+        self._waiting.discard(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        """One continuous-batching step: a prefill chunk and/or one decode token each."""
+        prompt_responses, generation_responses = self._generator.next()
+        self.steps += 1
+        for r in prompt_responses:
+            self._waiting.discard(self._request_of[r.uid])
+        outputs = []
+        for r in generation_responses:
+            request_id = self._request_of[r.uid]
+            self._waiting.discard(request_id)
+            outputs.append(RequestOutput(request_id, [r.token], r.finish_reason))
+            if r.finish_reason is not None:
+                self._forget(r.uid)
+        return outputs

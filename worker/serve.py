@@ -1,0 +1,192 @@
+"""The worker's serving loop. Everything here runs on the main thread.
+
+Each turn: take every waiting message (without blocking while there is work),
+apply aborts and adds, run one engine step, take any aborts that arrived
+during the step, and send one StepOutput for the whole batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import zmq
+
+from protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    AddRequest,
+    Error,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    ProtocolError,
+    Refused,
+    StepOutput,
+    Welcome,
+    decode_to_worker,
+    encode,
+)
+from worker.audit import AffinityAudit
+from worker.engine import Engine, InvalidRequest
+from worker.model import load_model
+from protocol.worker_settings import WorkerSettings
+
+log = logging.getLogger("mlxd.worker")
+
+IDLE_POLL_MS = 100
+HELLO_RETRY_S = 0.25
+
+
+class GatewayRefused(Exception):
+    pass
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings, engine: Engine, hello: Hello, audit: AffinityAudit | None):
+        self.settings = settings
+        self.engine = engine
+        self.hello = hello
+        self.audit = audit
+        self.welcomed = False
+        self.stopping = False
+        self._context = zmq.Context()
+        self.socket = self._context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, f"worker-{hello.epoch}".encode())
+        # Never queue messages for a gateway that is not there yet: a Hello
+        # sent into the void would arrive stale.
+        self.socket.setsockopt(zmq.IMMEDIATE, 1)
+        self.socket.setsockopt(zmq.LINGER, 1000)
+        self.socket.connect(settings.worker_endpoint)
+
+    def send(self, message) -> None:
+        try:
+            self.socket.send(encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("gateway not reachable; dropped a %s message", type(message).__name__)
+
+    def receive(self, timeout_ms: int) -> list:
+        """Every message waiting now, blocking up to timeout_ms for the first."""
+        messages = []
+        if not self.socket.poll(timeout_ms):
+            return messages
+        while True:
+            try:
+                frame = self.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return messages
+            try:
+                messages.append(decode_to_worker(frame))
+            except ProtocolError as e:
+                log.warning("rejected an unreadable message: %s", e)
+                self.send(Error(None, f"unreadable message: {e}"))
+
+    def handle(self, messages: list) -> None:
+        # Aborts first: a request added and aborted in the same batch of
+        # messages never reaches the engine.
+        aborted = {r for m in messages if isinstance(m, Abort) for r in m.request_ids}
+        if aborted:
+            self.engine.abort(list(aborted))
+        for m in messages:
+            if isinstance(m, AddRequest) and m.request_id not in aborted:
+                try:
+                    self.engine.add(m)
+                except InvalidRequest as e:
+                    self.send(Error(m.request_id, str(e)))
+            elif isinstance(m, Welcome) and m.epoch == self.hello.epoch:
+                self.welcomed = True
+                log.info("welcomed by the gateway")
+            elif isinstance(m, Refused):
+                raise GatewayRefused(m.reason)
+
+    def step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # a failed step must not take the other requests' worker down
+            log.exception("engine step failed; failing every active request")
+            for request_id in self.engine.abort_all():
+                self.send(Error(request_id, f"engine step failed: {e}"))
+            return
+        late = self.receive(0)
+        self.handle(late)
+        aborted = {r for m in late if isinstance(m, Abort) for r in m.request_ids}
+        outputs = [o for o in outputs if o.request_id not in aborted]
+        if outputs:
+            self.send(StepOutput(self.engine.steps, outputs))
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            step=self.engine.steps,
+            running=self.engine.running,
+            waiting=self.engine.waiting,
+            affinity=self.audit.report() if self.audit else None,
+        )
+
+    def run(self) -> int:
+        next_hello = next_heartbeat = 0.0
+        try:
+            while not self.stopping:
+                now = time.monotonic()
+                if not self.welcomed and now >= next_hello:
+                    self.send(self.hello)
+                    next_hello = now + HELLO_RETRY_S
+                if now >= next_heartbeat:
+                    self.send(self.heartbeat())
+                    next_heartbeat = now + self.settings.heartbeat_s
+                self.handle(self.receive(0 if self.engine.has_work else IDLE_POLL_MS))
+                if self.engine.has_work:
+                    self.step()
+        except GatewayRefused as e:
+            log.error("the gateway refused this worker: %s", e)
+            return 2
+        finally:
+            self.send(Goodbye("shutting down"))
+            self.socket.close()
+            self._context.term()
+        return 0
+
+
+def serve(settings: WorkerSettings, *, blas: str, audit: bool) -> int:
+    log.info("BLAS: %s", blas)
+    affinity = AffinityAudit().install() if audit else None
+    if affinity:
+        log.info("affinity audit on: every MLX evaluation's thread is recorded")
+    started = time.monotonic()
+    try:
+        loaded = load_model(settings.model, settings.context_length)
+    except (FileNotFoundError, ValueError) as e:
+        log.error("cannot load the model: %s", e)
+        return 1
+    log.info("loaded %s in %.1fs", settings.model, time.monotonic() - started)
+    engine = Engine(
+        loaded.model,
+        eos_token_ids=loaded.eos_token_ids,
+        vocab_size=loaded.vocab_size,
+        context_length=loaded.context_length,
+        capacity=settings.max_batch,
+        prefill_batch_size=settings.prefill_batch,
+        prefill_step_size=settings.prefill_chunk,
+    )
+    hello = Hello(
+        protocol_version=PROTOCOL_VERSION,
+        epoch=time.time_ns(),
+        pid=os.getpid(),
+        model=settings.model,
+        context_length=loaded.context_length,
+        vocab_size=loaded.vocab_size,
+        capacity=settings.max_batch,
+        eos_token_ids=loaded.eos_token_ids,
+        tokenizer_files=loaded.tokenizer_files,
+    )
+    worker = Worker(settings, engine, hello, affinity)
+
+    def stop(signum, _frame):
+        log.info("received %s; stopping", signal.Signals(signum).name)
+        worker.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info("serving %s on %s", settings.model, settings.worker_endpoint)
+    return worker.run()
