@@ -31,6 +31,7 @@ from gateway.openai_schema import (
     CompletionChoice,
     CompletionRequest,
     GenerationRequest,
+    ImagePart,
     Model,
     ModelList,
     Usage,
@@ -102,6 +103,14 @@ class OpenAIAPI:
         for i, m in enumerate(body.messages):
             if m.role != "assistant" and m.content is None:
                 raise APIError(400, f"messages[{i}] ({m.role}) needs content", param=f"messages[{i}].content")
+            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                if isinstance(part, ImagePart):
+                    raise APIError(
+                        400,
+                        "image inputs are not supported: the served model is text-only",
+                        param=f"messages[{i}].content[{j}]",
+                        code="unsupported_content",
+                    )
         worker = await self._worker()
         self._check_model(body.model, worker)
         messages = [

@@ -13,19 +13,33 @@ from msgspec import Meta
 
 # ---- requests ---------------------------------------------------------------
 
+# Integers travel to the worker as msgpack int64.
+MAX_INT = 2**63 - 1
+
 
 class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
     text: str
 
 
+class ImageURL(msgspec.Struct, forbid_unknown_fields=True):
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(msgspec.Struct, tag_field="type", tag="image_url", forbid_unknown_fields=True):
+    """Parsed so that it can be refused clearly: this server has no vision model yet."""
+
+    image_url: ImageURL
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content or ""
 
 
@@ -39,12 +53,12 @@ class GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_INT)] | None = None
     temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=MAX_INT)] | None = None
     min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Meta(ge=-MAX_INT - 1, le=MAX_INT)] | None = None
     stop: str | Annotated[list[str], Meta(max_length=16)] | None = None
     n: int | None = None
     user: str | None = None
@@ -57,7 +71,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
 class ChatCompletionRequest(GenerationRequest):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1, le=MAX_INT)] | None = None
 
 
 class CompletionRequest(GenerationRequest):

@@ -1,0 +1,124 @@
+"""Fixtures: a tiny generated model, and real mlxd processes serving it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+# The in-process mlx-lm reference must run on the same BLAS as the worker, or
+# the two would round differently. This must happen before mlx is imported.
+from worker.blas import load_fast_blas
+
+load_fast_blas()
+
+from tests.tiny_model import make_tiny_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MLXD = [str(Path(sys.executable).parent / "mlxd")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """Stop a process we started, by its PID: SIGTERM, then SIGKILL."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+class Server:
+    """A running mlxd (gateway + worker) on 127.0.0.1."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [*MLXD, *args, "--port", str(self.port)],
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+        self.http = httpx.Client(base_url=self.url, timeout=60)
+
+    def health(self) -> dict:
+        return self.http.get("/health").json()
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlxd exited early:\n{self.log_path.read_text()}")
+            try:
+                if self.health()["worker"]["ready"]:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"mlxd not ready after {timeout}s:\n{self.log_path.read_text()}")
+
+    def wait_idle(self, timeout: float = 10.0) -> dict:
+        """Wait until the worker has nothing running or waiting; return its state."""
+        deadline = time.monotonic() + timeout
+        while True:
+            worker = self.health()["worker"]
+            if worker["running"] == 0 and worker["waiting"] == 0:
+                return worker
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker still busy: {worker}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.http.close()
+        stop_process(self.proc)
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+MODEL_NAME = "tiny"
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model, tmp_path_factory):
+    """`mlxd serve` with the affinity audit on and a fast heartbeat."""
+    log = tmp_path_factory.mktemp("logs") / "serve.log"
+    srv = Server(
+        ["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME, "--heartbeat-s", "0.05"],
+        log,
+        env={"MLXD_AFFINITY_AUDIT": "1"},
+    )
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model):
+    """mlx-lm in-process: the output every request through HTTP must equal."""
+    from tests.reference import Reference
+
+    return Reference(tiny_model)

@@ -1,0 +1,47 @@
+"""Greedy decoding with mlx-lm in-process: the reference for parity tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+
+
+@dataclass
+class Expected:
+    token_ids: list[int]  # generated, stop token included if one was hit
+    text: str  # what a client must see
+    finish_reason: str
+
+
+class Reference:
+    def __init__(self, path: Path) -> None:
+        self.model, self.tokenizer = load(str(path))
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def text_prompt(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer._tokenizer.decode(
+            token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+
+    def greedy(self, prompt: list[int], max_tokens: int) -> Expected:
+        tokens: list[int] = []
+        finish = "length"
+        for token, _ in generate_step(
+            mx.array(prompt), self.model, max_tokens=max_tokens, sampler=make_sampler(0.0)
+        ):
+            tokens.append(int(token))
+            if int(token) in self.tokenizer.eos_token_ids:
+                finish = "stop"
+                break
+        text_tokens = tokens[:-1] if finish == "stop" else tokens
+        return Expected(tokens, self.decode(text_tokens), finish)

@@ -1,0 +1,94 @@
+"""Bad input gets a 4xx in OpenAI's error shape, and the server keeps serving."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import MODEL_NAME
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "Hi"}]
+
+CASES = [
+    # (id, path, raw body or JSON, status, param)
+    ("malformed JSON", CHAT, b'{"model": ', 400, None),
+    ("not an object", CHAT, b"[1, 2]", 400, None),
+    ("empty body", CHAT, b"", 400, None),
+    ("missing model", CHAT, {"messages": USER}, 400, None),
+    ("missing messages", CHAT, {"model": MODEL_NAME}, 400, None),
+    ("empty messages", CHAT, {"model": MODEL_NAME, "messages": []}, 400, "messages"),
+    ("bad role", CHAT, {"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ("null user content", CHAT, {"model": MODEL_NAME, "messages": [{"role": "user", "content": None}]}, 400, "messages[0].content"),
+    ("image part", CHAT, {"model": MODEL_NAME, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0]"),
+    ("temperature as string", CHAT, {"model": MODEL_NAME, "messages": USER, "temperature": "hot"}, 400, "temperature"),
+    ("temperature too high", CHAT, {"model": MODEL_NAME, "messages": USER, "temperature": 5}, 400, "temperature"),
+    ("top_p zero", CHAT, {"model": MODEL_NAME, "messages": USER, "top_p": 0}, 400, "top_p"),
+    ("min_p above one", CHAT, {"model": MODEL_NAME, "messages": USER, "min_p": 1.5}, 400, "min_p"),
+    ("top_k below -1", CHAT, {"model": MODEL_NAME, "messages": USER, "top_k": -5}, 400, "top_k"),
+    ("max_tokens zero", CHAT, {"model": MODEL_NAME, "messages": USER, "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens float", CHAT, {"model": MODEL_NAME, "messages": USER, "max_tokens": 1.5}, 400, "max_tokens"),
+    ("seed as string", CHAT, {"model": MODEL_NAME, "messages": USER, "seed": "x"}, 400, "seed"),
+    ("seed too large", CHAT, {"model": MODEL_NAME, "messages": USER, "seed": 2**70}, 400, "seed"),
+    ("max_tokens too large", CHAT, {"model": MODEL_NAME, "messages": USER, "max_tokens": 2**64}, 400, "max_tokens"),
+    ("top_k too large", CHAT, {"model": MODEL_NAME, "messages": USER, "top_k": 2**64}, 400, "top_k"),
+    ("n above one", CHAT, {"model": MODEL_NAME, "messages": USER, "n": 2}, 400, "n"),
+    ("empty stop", CHAT, {"model": MODEL_NAME, "messages": USER, "stop": [""]}, 400, "stop"),
+    ("stop as number", CHAT, {"model": MODEL_NAME, "messages": USER, "stop": 3}, 400, "stop"),
+    ("stream as string", CHAT, {"model": MODEL_NAME, "messages": USER, "stream": "yes"}, 400, "stream"),
+    ("unknown field", CHAT, {"model": MODEL_NAME, "messages": USER, "tools": []}, 400, "tools"),
+    ("unknown stream option", CHAT, {"model": MODEL_NAME, "messages": USER, "stream_options": {"x": 1}}, 400, "stream_options.x"),
+    ("unknown model", CHAT, {"model": "gpt-4", "messages": USER}, 404, "model"),
+    ("missing prompt", COMPLETIONS, {"model": MODEL_NAME}, 400, None),
+    ("nested prompt", COMPLETIONS, {"model": MODEL_NAME, "prompt": [[1, 2]]}, 400, "prompt[0]"),
+    ("several prompts", COMPLETIONS, {"model": MODEL_NAME, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("token id outside vocabulary", COMPLETIONS, {"model": MODEL_NAME, "prompt": [1, 10**6]}, 400, "prompt"),
+    ("negative token id", COMPLETIONS, {"model": MODEL_NAME, "prompt": [-1]}, 400, "prompt"),
+    ("empty prompt string", COMPLETIONS, {"model": MODEL_NAME, "prompt": ""}, 400, "prompt"),
+    ("prompt longer than the context", COMPLETIONS, {"model": MODEL_NAME, "prompt": [5] * 2100}, 400, "prompt"),
+    ("unknown model (completions)", COMPLETIONS, {"model": "nope", "prompt": "x"}, 404, "model"),
+]
+
+
+def assert_openai_error(response, status: int, param) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["param"] == param
+    return error
+
+
+@pytest.mark.parametrize("path, body, status, param", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_input_gets_its_4xx(server, path, body, status, param, stream):
+    if isinstance(body, dict) and stream and "stream" not in body:
+        body = dict(body, stream=True)
+    if isinstance(body, dict):
+        response = server.http.post(path, json=body)
+    else:
+        response = server.http.post(path, content=body, headers={"content-type": "application/json"})
+    assert_openai_error(response, status, param)
+
+
+def test_context_length_error_code(server):
+    response = server.http.post(COMPLETIONS, json={"model": MODEL_NAME, "prompt": [5] * 2100})
+    assert assert_openai_error(response, 400, "prompt")["code"] == "context_length_exceeded"
+
+
+def test_unknown_route_and_method(server):
+    assert_openai_error(server.http.get("/v1/nothing-here"), 404, None)
+    assert_openai_error(server.http.get(CHAT), 405, None)
+
+
+def test_server_keeps_serving_after_bad_input(server, reference):
+    for _, path, body, _, _ in CASES:
+        server.http.post(path, json=body) if isinstance(body, dict) else server.http.post(path, content=body)
+    prompt = reference.text_prompt("Once upon a time")
+    expected = reference.greedy(prompt, 16)
+    response = server.http.post(
+        COMPLETIONS, json={"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
+    )
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["text"] == expected.text
+    assert server.wait_idle()["ready"]

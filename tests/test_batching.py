@@ -1,0 +1,52 @@
+"""Concurrent requests decode together, and each still gets its own greedy output."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+
+from tests.conftest import MODEL_NAME
+
+MAX_TOKENS = 64
+
+
+def stream_completion(url: str, prompt: str, max_tokens: int) -> tuple[str, list[float]]:
+    """(text, arrival time of each chunk) of one streaming completion."""
+    text, times = [], []
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choices = json.loads(line[6:])["choices"]
+                if choices and choices[0]["text"]:
+                    text.append(choices[0]["text"])
+                    times.append(time.monotonic())
+    return "".join(text), times
+
+
+def test_eight_streams_decode_together(server):
+    prompts = [f"Once upon a time {i}" for i in range(8)]
+    alone = [stream_completion(server.url, p, MAX_TOKENS)[0] for p in prompts]
+
+    results: list = [None] * len(prompts)
+    barrier = threading.Barrier(len(prompts))
+
+    def run(i: int) -> None:
+        barrier.wait()
+        results[i] = stream_completion(server.url, prompts[i], MAX_TOKENS)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    assert [text for text, _ in results] == alone
+    # Decoded together: every stream's first chunk arrived before any stream's last.
+    firsts = [times[0] for _, times in results]
+    lasts = [times[-1] for _, times in results]
+    assert max(firsts) < min(lasts)
