@@ -86,6 +86,22 @@ class Server:
                 raise TimeoutError(f"worker still busy: {worker}")
             time.sleep(0.02)
 
+    def wait_running(self, predicate, timeout: float) -> float:
+        """Seconds until predicate(worker.running) holds."""
+        start = time.monotonic()
+        while not predicate(self.health()["worker"]["running"]):
+            if time.monotonic() - start > timeout:
+                raise AssertionError(f"worker state: {self.health()['worker']}")
+            time.sleep(0.01)
+        return time.monotonic() - start
+
+    def assert_steps_stopped(self) -> None:
+        """The worker's step counter no longer rises: nothing is left decoding."""
+        time.sleep(0.2)  # past any heartbeat that left before the last step
+        first = self.health()["worker"]["steps"]
+        time.sleep(0.3)
+        assert self.health()["worker"]["steps"] == first
+
     def stop(self) -> None:
         self.http.close()
         stop_process(self.proc)

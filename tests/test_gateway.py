@@ -1,0 +1,93 @@
+"""Gateway and worker as two processes, the way launchd runs them."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from protocol import PROTOCOL_VERSION, Refused, decode_to_worker
+from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, stop_process
+from worker.blas import openblas_path
+
+
+@pytest.fixture()
+def gateway(tmp_path):
+    endpoint = f"ipc://{tmp_path}/run/worker.sock"
+    srv = Server(
+        ["gateway", "--worker-endpoint", endpoint, "--worker-wait-s", "1", "--served-model-name", MODEL_NAME],
+        tmp_path / "gateway.log",
+    )
+    srv.endpoint = endpoint
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            srv.health()
+            break
+        except Exception:
+            assert time.monotonic() < deadline, srv.log_path.read_text()
+            time.sleep(0.1)
+    yield srv
+    srv.stop()
+
+
+def test_no_worker_means_503_with_retry_after(gateway):
+    assert gateway.health() == {"status": "ok", "worker": {"ready": False}}
+    started = time.monotonic()
+    response = gateway.http.post(
+        "/v1/chat/completions", json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert response.status_code == 503
+    assert response.headers["retry-after"]
+    assert response.json()["error"]["type"] == "service_unavailable"
+    assert 0.9 < time.monotonic() - started < 5
+
+
+def test_worker_of_another_protocol_version_is_refused(gateway, tmp_path):
+    context = zmq.Context()
+    rogue = context.socket(zmq.DEALER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(gateway.endpoint)
+    try:
+        rogue.send(msgspec.msgpack.encode(["hello", PROTOCOL_VERSION + 98, 1, 2, "m", {"future": True}]))
+        assert rogue.poll(10_000), "the gateway did not answer"
+        refused = decode_to_worker(rogue.recv())
+        assert isinstance(refused, Refused)
+        assert f"version {PROTOCOL_VERSION}" in refused.reason
+        assert f"version {PROTOCOL_VERSION + 98}" in refused.reason
+        assert gateway.health()["worker"] == {"ready": False}
+    finally:
+        rogue.close()
+        context.term()
+
+
+def test_separate_worker_process_serves_and_leaves(gateway, tiny_model, reference, tmp_path):
+    gateway_pid = gateway.proc.pid
+    with open(tmp_path / "worker.log", "wb") as log:
+        worker = subprocess.Popen(
+            [*MLXD, "worker", "--model", str(tiny_model), "--worker-endpoint", gateway.endpoint],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        )
+        try:
+            gateway.wait_ready()
+            assert gateway.health()["worker"]["pid"] == worker.pid
+            prompt = reference.text_prompt("Once upon a time")
+            expected = reference.greedy(prompt, 16)
+            response = gateway.http.post(
+                "/v1/completions",
+                json={"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0},
+            )
+            assert response.json()["choices"][0]["text"] == expected.text
+        finally:
+            stop_process(worker)
+    assert worker.returncode == 0
+    deadline = time.monotonic() + 5
+    while gateway.health()["worker"]["ready"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert gateway.proc.poll() is None and gateway.proc.pid == gateway_pid
+    expected_blas = "OpenBLAS" if openblas_path() else "BLAS: "
+    assert expected_blas in (tmp_path / "worker.log").read_text()
