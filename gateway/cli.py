@@ -1,8 +1,13 @@
 """The `mlxd` command.
 
-  mlxd serve --model M     gateway + one supervised worker, in one command
-  mlxd gateway ...         the HTTP half (as launchd runs it)
-  mlxd worker ...          the MLX half (as launchd runs it)
+  mlxd serve [--model M]            gateway + one supervised worker, in one command
+  mlxd gateway ...                  the HTTP half (as launchd runs it)
+  mlxd worker [--model M] ...       the MLX half (as launchd runs it)
+  mlxd import-gguf FILE OUT_DIR     write an mlx-lm model directory for a llama GGUF
+  mlxd prepare-model [--model M]    download/import a model into the cache
+
+--model takes an mlx-lm directory, a .gguf file or a Hugging Face repo id; with
+none, mlxd serves the embedded SmolLM2-135M-Instruct. Each command has --help.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from protocol.settings import add_arguments, resolve
 from protocol.worker_settings import WorkerSettings
 
 USAGE = __doc__
+
+# Commands that run in the worker program, because they need MLX.
+WORKER_COMMANDS = {"worker": [], "import-gguf": ["import-gguf"], "prepare-model": ["prepare-model"]}
 
 
 def _configure_logging(level: str) -> None:
@@ -83,10 +91,10 @@ def serve_main(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command, rest = (argv[0], argv[1:]) if argv else ("", [])
-    if command == "worker":
+    if command in WORKER_COMMANDS:
         # Replace this process with the worker program, so that MLX is never
         # imported by gateway code and launchd supervises the worker's own PID.
-        os.execv(sys.executable, [sys.executable, "-m", "worker", *rest])
+        os.execv(sys.executable, [sys.executable, "-m", "worker", *WORKER_COMMANDS[command], *rest])
     if command == "gateway":
         return gateway_main(rest)
     if command == "serve":

@@ -12,7 +12,13 @@ from protocol.endpoints import default_worker_endpoint
 
 
 class WorkerSettings(msgspec.Struct, kw_only=True):
-    model: Annotated[str, Meta(description="model to serve: an mlx-lm model directory")]
+    model: Annotated[
+        str,
+        Meta(
+            description="model to serve: an mlx-lm model directory, a .gguf file, or a Hugging Face "
+            "repo id (default: the embedded SmolLM2-135M-Instruct)"
+        ),
+    ] = ""
     worker_endpoint: Annotated[
         str, Meta(description="ZeroMQ endpoint of the gateway to connect to")
     ] = default_worker_endpoint()

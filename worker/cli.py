@@ -1,4 +1,9 @@
-"""`mlxd worker`: load a model and serve it to a gateway over ZeroMQ."""
+"""The worker's commands (run as `python -m worker`, or through `mlxd`):
+
+  mlxd worker [--model M] ...       load a model and serve it to a gateway
+  mlxd import-gguf FILE OUT_DIR     write an mlx-lm model directory for a llama GGUF
+  mlxd prepare-model [--model M]    download/import a model into the cache, print its directory
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,26 @@ from protocol.settings import add_arguments, resolve
 from protocol.worker_settings import WorkerSettings
 
 
-def main(argv: list[str] | None = None) -> int:
+def _start(log_level: str = "info") -> str:
+    """Set up logging and BLAS; return which BLAS MLX runs on."""
+    logging.basicConfig(
+        level=log_level.upper(),
+        format="%(asctime)s mlxd-worker[%(process)d] %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    # BLAS must be chosen before anything imports mlx, which is why the
+    # modules that do are imported inside the commands, after this.
+    from worker.blas import load_fast_blas
+
+    return load_fast_blas()
+
+
+def _fail(message: str) -> int:
+    print(f"mlxd: error: {message}", file=sys.stderr)
+    return 1
+
+
+def serve_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="mlxd worker",
         description="Load a model and serve it to an mlxd gateway. The main thread makes "
@@ -19,22 +43,58 @@ def main(argv: list[str] | None = None) -> int:
         "and reports any made off the main thread.",
     )
     add_arguments(parser, WorkerSettings)
-    args = parser.parse_args(argv)
     try:
-        settings = resolve(WorkerSettings, args)
+        settings = resolve(WorkerSettings, parser.parse_args(argv))
     except ValueError as e:
         parser.error(str(e))
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s mlxd-worker[%(process)d] %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
-    # BLAS must be chosen before anything imports mlx, so the serving loop
-    # (which imports mlx) is imported only after it.
-    from worker.blas import load_fast_blas
-
-    blas = load_fast_blas()
+    blas = _start(settings.log_level)
+    logging.getLogger("mlxd.worker").info("BLAS: %s", blas)
     from worker.serve import serve
 
-    audit = os.environ.get("MLXD_AFFINITY_AUDIT", "") not in ("", "0")
-    return serve(settings, blas=blas, audit=audit)
+    return serve(settings, audit=os.environ.get("MLXD_AFFINITY_AUDIT", "") not in ("", "0"))
+
+
+def import_gguf_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mlxd import-gguf",
+        description="Import a llama-architecture GGUF file into an mlx-lm model directory.",
+    )
+    parser.add_argument("file", help="the .gguf file")
+    parser.add_argument("out_dir", help="the directory to create (must not exist, or be empty)")
+    args = parser.parse_args(argv)
+    _start()
+    from worker.gguf import GGUFError, import_gguf
+
+    try:
+        print(import_gguf(args.file, args.out_dir))
+    except (GGUFError, OSError) as e:
+        return _fail(str(e))
+    return 0
+
+
+def prepare_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mlxd prepare-model",
+        description="Download or import a model into the cache without serving it; print its directory.",
+    )
+    parser.add_argument("--model", default=os.environ.get("MLXD_MODEL", ""), help="as for `mlxd worker --model`")
+    args = parser.parse_args(argv)
+    _start()
+    from worker.gguf import GGUFError
+    from worker.model_source import ModelNotFound, resolve_model
+
+    try:
+        print(resolve_model(args.model)[0])
+    except (ModelNotFound, GGUFError, OSError) as e:
+        return _fail(str(e))
+    return 0
+
+
+COMMANDS = {"import-gguf": import_gguf_main, "prepare-model": prepare_main}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]](argv[1:])
+    return serve_main(argv)

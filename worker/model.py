@@ -9,6 +9,8 @@ from pathlib import Path
 import mlx.nn as nn
 from mlx_lm.utils import load as mlx_lm_load
 
+from worker.model_source import resolve_model
+
 # Tokenizer files travel to the gateway in the Hello; weights never do.
 TOKENIZER_FILE_NAMES = {
     "tokenizer.json",
@@ -30,6 +32,7 @@ DEFAULT_CONTEXT_LENGTH = 4096
 @dataclass
 class LoadedModel:
     model: nn.Module
+    name: str
     path: Path
     eos_token_ids: list[int]
     vocab_size: int
@@ -42,9 +45,8 @@ def _text_config(config: dict) -> dict:
 
 
 def load_model(spec: str, context_length: int | None = None) -> LoadedModel:
-    path = Path(spec).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model {spec!r}: no such directory")
+    """Resolve `spec` (see worker.model_source) and load it. Main thread only."""
+    path, name = resolve_model(spec)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"model {spec!r}: {path / 'config.json'} is missing")
     model, tokenizer = mlx_lm_load(str(path))
@@ -52,6 +54,7 @@ def load_model(spec: str, context_length: int | None = None) -> LoadedModel:
     model_context = config.get("max_position_embeddings", DEFAULT_CONTEXT_LENGTH)
     return LoadedModel(
         model=model,
+        name=name,
         path=path,
         eos_token_ids=sorted(tokenizer.eos_token_ids),
         vocab_size=config["vocab_size"],

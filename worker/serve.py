@@ -32,6 +32,7 @@ from protocol import (
 from worker.audit import AffinityAudit
 from worker.engine import Engine, InvalidRequest
 from worker.model import load_model
+from worker.model_source import ModelNotFound
 from protocol.worker_settings import WorkerSettings
 
 log = logging.getLogger("mlxd.worker")
@@ -148,18 +149,17 @@ class Worker:
         return 0
 
 
-def serve(settings: WorkerSettings, *, blas: str, audit: bool) -> int:
-    log.info("BLAS: %s", blas)
+def serve(settings: WorkerSettings, *, audit: bool) -> int:
     affinity = AffinityAudit().install() if audit else None
     if affinity:
         log.info("affinity audit on: every MLX evaluation's thread is recorded")
     started = time.monotonic()
     try:
         loaded = load_model(settings.model, settings.context_length)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, ModelNotFound) as e:
         log.error("cannot load the model: %s", e)
         return 1
-    log.info("loaded %s in %.1fs", settings.model, time.monotonic() - started)
+    log.info("loaded %s from %s in %.1fs", loaded.name, loaded.path, time.monotonic() - started)
     engine = Engine(
         loaded.model,
         eos_token_ids=loaded.eos_token_ids,
@@ -173,7 +173,7 @@ def serve(settings: WorkerSettings, *, blas: str, audit: bool) -> int:
         protocol_version=PROTOCOL_VERSION,
         epoch=time.time_ns(),
         pid=os.getpid(),
-        model=settings.model,
+        model=loaded.name,
         context_length=loaded.context_length,
         vocab_size=loaded.vocab_size,
         capacity=settings.max_batch,
@@ -188,5 +188,5 @@ def serve(settings: WorkerSettings, *, blas: str, audit: bool) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    log.info("serving %s on %s", settings.model, settings.worker_endpoint)
+    log.info("serving %s on %s", loaded.name, settings.worker_endpoint)
     return worker.run()

