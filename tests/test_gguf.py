@@ -1,0 +1,128 @@
+"""GGUF import: round trips against the model the file was made from, and clear refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load
+
+from tests.conftest import MLXD, ROOT
+from tests.gguf_export import save_float_gguf, save_quantized_gguf, unpermute_from_gguf
+from worker.gguf import convert_weights, import_gguf
+
+TEXTS = ["Once upon a time", "héllo wörld 😀 漢字", "Numbers 0 1 2 3 and (symbols)!", "  two  spaces\nnew line"]
+
+
+def logits(model, token_ids: list[int]) -> np.ndarray:
+    return np.array(model(mx.array([token_ids]))[0].astype(mx.float32))
+
+
+@pytest.fixture(scope="module")
+def original(tiny_model):
+    return load(str(tiny_model))
+
+
+def test_float_round_trip_gives_the_same_logits(tiny_model, original, tmp_path):
+    imported = import_gguf(save_float_gguf(tiny_model, tmp_path / "tiny.gguf"), tmp_path / "imported")
+    config = json.loads((imported / "config.json").read_text())
+    assert config["rope_traditional"] is True
+    assert "quantization" not in config
+    model, tokenizer = load(str(imported))
+    ref_model, ref_tokenizer = original
+    ids = ref_tokenizer.encode(TEXTS[0])
+    np.testing.assert_allclose(logits(model, ids), logits(ref_model, ids), atol=1e-4, rtol=1e-4)
+    for text in TEXTS:
+        assert tokenizer.encode(text) == ref_tokenizer.encode(text)
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+    chat = [{"role": "user", "content": "Hi"}]
+    assert tokenizer.apply_chat_template(chat, add_generation_prompt=True) == ref_tokenizer.apply_chat_template(
+        chat, add_generation_prompt=True
+    )
+    assert tokenizer.eos_token_ids == ref_tokenizer.eos_token_ids
+
+
+def test_quantized_round_trip_within_quantization_error(tiny_model, original, tmp_path):
+    held = save_quantized_gguf(tiny_model, tmp_path / "tiny-q.gguf")
+    imported = import_gguf(tmp_path / "tiny-q.gguf", tmp_path / "imported")
+    config = json.loads((imported / "config.json").read_text())
+    # Bits come from each tensor's packed shape: 8-bit embeddings, 4-bit elsewhere.
+    assert config["quantization"] == {"group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}}
+    model, _ = load(str(imported))
+    ref_model, ref_tokenizer = original
+    ids = ref_tokenizer.encode(TEXTS[0])
+    got = logits(model, ids)
+
+    # Exact reference: the original architecture holding the very values the
+    # file holds (dequantized by llama.cpp's own code, Q/K rows un-permuted).
+    heads = {"attn_q": 4, "attn_k": 2}
+    unpermuted = {
+        name: mx.array(unpermute_from_gguf(w, heads[name.split(".")[2]]) if name.split(".")[-2] in heads else w)
+        for name, w in held.items()
+    }
+    same_values, _ = convert_weights(unpermuted)
+    dequantized_model, _ = load(str(tiny_model))
+    dequantized_model.load_weights(list(same_values.items()))
+    np.testing.assert_allclose(got, logits(dequantized_model, ids), atol=0.05, rtol=0.01)
+
+    # And close to the float model it was quantized from.
+    float_logits = logits(ref_model, ids)
+    relative = np.abs(got - float_logits).mean() / np.abs(float_logits).mean()
+    assert relative < 0.25, relative
+    assert (got.argmax(-1) == float_logits.argmax(-1)).mean() >= 0.5
+
+
+def run_mlxd(*args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*MLXD, *args], cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})}
+    )
+
+
+def assert_clear_error(result, fragment: str) -> None:
+    assert result.returncode == 1
+    assert fragment in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_non_llama_gguf_is_refused_by_name(tiny_model, tmp_path):
+    path = save_float_gguf(tiny_model, tmp_path / "qwen.gguf", architecture="qwen2")
+    assert_clear_error(run_mlxd("import-gguf", str(path), str(tmp_path / "out")), "architecture 'qwen2' is not supported")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.01])
+def test_truncated_gguf_is_refused(tiny_model, tmp_path, keep):
+    whole = save_float_gguf(tiny_model, tmp_path / "whole.gguf").read_bytes()
+    path = tmp_path / "truncated.gguf"
+    path.write_bytes(whole[: int(len(whole) * keep)])
+    assert_clear_error(run_mlxd("import-gguf", str(path), str(tmp_path / "out")), "truncated or corrupt")
+    assert not (tmp_path / "out").exists()
+
+
+def test_not_a_gguf_is_refused(tmp_path):
+    path = tmp_path / "fake.gguf"
+    path.write_bytes(b"PK\x03\x04 definitely a zip")
+    assert_clear_error(run_mlxd("import-gguf", str(path), str(tmp_path / "out")), "not a GGUF file")
+
+
+def test_gguf_model_is_imported_once_into_the_cache(tiny_model, tmp_path):
+    path = save_float_gguf(tiny_model, tmp_path / "tiny.gguf")
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    first = run_mlxd("prepare-model", "--model", str(path), env=env)
+    assert first.returncode == 0, first.stderr
+    assert "importing" in first.stderr
+    second = run_mlxd("prepare-model", "--model", str(path), env=env)
+    assert second.returncode == 0
+    assert "importing" not in second.stderr
+    assert first.stdout == second.stdout
+    assert first.stdout.startswith(str(tmp_path / "cache" / "mlxd" / "models"))
+
+
+def test_unknown_model_is_a_clear_error(tmp_path):
+    env = {"HF_HUB_OFFLINE": "1", "XDG_CACHE_HOME": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf")}
+    assert_clear_error(run_mlxd("prepare-model", "--model", str(tmp_path / "nothing-here")), "no such file or directory")
+    assert_clear_error(run_mlxd("prepare-model", "--model", "someone/no-such-model", env=env), "HF_HUB_OFFLINE")
