@@ -32,5 +32,9 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     context_length: Annotated[
         int | None, Meta(description="cap on the model's context length in tokens")
     ] = None
+    cpu_dequantize: Annotated[
+        bool,
+        Meta(description="on MLX's CPU backend, run quantized models as float32 (much faster with BLAS)"),
+    ] = True
     heartbeat_s: Annotated[float, Meta(gt=0, description="seconds between heartbeats")] = 0.5
     log_level: Annotated[str, Meta(description="debug, info, warning or error")] = "info"

@@ -10,6 +10,8 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
+from worker.model import dequantize_for_cpu
+
 
 @dataclass
 class Expected:
@@ -21,6 +23,8 @@ class Expected:
 class Reference:
     def __init__(self, path: Path) -> None:
         self.model, self.tokenizer = load(str(path))
+        # The same model the worker serves on the CPU backend.
+        dequantize_for_cpu(self.model)
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_map, tree_unflatten
 from mlx_lm.utils import load as mlx_lm_load
 
 from worker.model_source import resolve_model
+
+log = logging.getLogger("mlxd.worker.model")
 
 # Tokenizer files travel to the gateway in the Hello; weights never do.
 TOKENIZER_FILE_NAMES = {
@@ -44,12 +49,50 @@ def _text_config(config: dict) -> dict:
     return config.get("text_config", config)
 
 
-def load_model(spec: str, context_length: int | None = None) -> LoadedModel:
+def dequantize_for_cpu(model: nn.Module) -> int:
+    """Replace quantized layers with float32 ones; return how many.
+
+    MLX's CPU backend has no fast quantized matmul, while float32 matmuls go to
+    BLAS (OpenBLAS on Linux): SmolLM2-135M-Q4_1 decodes about 2x faster alone
+    and 10x faster at 8 concurrent requests once dequantized. On the GPU the
+    quantized kernels are the fast path and nothing changes.
+    """
+    replaced = []
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            # float32 scales make the dequantization itself several times faster on the CPU.
+            weight = mx.dequantize(
+                module.weight,
+                module.scales.astype(mx.float32),
+                module.biases.astype(mx.float32),
+                module.group_size,
+                module.bits,
+            )
+            if isinstance(module, nn.QuantizedEmbedding):
+                plain = nn.Embedding(*weight.shape)
+            else:
+                plain = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
+                if "bias" in module:
+                    plain.bias = module.bias.astype(mx.float32)
+            plain.weight = weight
+            replaced.append((name, plain))
+    if replaced:
+        model.update_modules(tree_unflatten(replaced))
+        model.update(tree_map(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a,
+                              model.parameters()))
+        mx.eval(model.parameters())
+    return len(replaced)
+
+
+def load_model(spec: str, context_length: int | None = None, cpu_dequantize: bool = True) -> LoadedModel:
     """Resolve `spec` (see worker.model_source) and load it. Main thread only."""
     path, name = resolve_model(spec)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"model {spec!r}: {path / 'config.json'} is missing")
     model, tokenizer = mlx_lm_load(str(path))
+    if cpu_dequantize and mx.default_device() == mx.cpu:
+        if count := dequantize_for_cpu(model):
+            log.info("CPU backend: dequantized %d quantized layers to float32 for BLAS", count)
     config = _text_config(json.loads((path / "config.json").read_text()))
     model_context = config.get("max_position_embeddings", DEFAULT_CONTEXT_LENGTH)
     return LoadedModel(

@@ -155,7 +155,7 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         log.info("affinity audit on: every MLX evaluation's thread is recorded")
     started = time.monotonic()
     try:
-        loaded = load_model(settings.model, settings.context_length)
+        loaded = load_model(settings.model, settings.context_length, settings.cpu_dequantize)
     except (FileNotFoundError, ValueError, ModelNotFound) as e:
         log.error("cannot load the model: %s", e)
         return 1
