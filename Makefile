@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
 
-.PHONY: install openblas model run test clean
+.PHONY: install openblas model run test bench clean
 
 install: $(VENV)/.installed openblas
 
@@ -38,6 +38,9 @@ run: install
 
 test: install model
 	$(PY) -m pytest -q
+
+bench: install model
+	$(PY) -m tests.bench.serve_speed
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
