@@ -1,7 +1,8 @@
-"""The Starlette application: routes, error handlers, and the link's lifetime."""
+"""The Starlette application: routes, error handlers, the link's lifetime, draining."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 
@@ -15,36 +16,64 @@ from starlette.routing import Route
 from gateway.errors import APIError, api_error_handler, http_error_handler, internal_error_handler
 from gateway.openai_api import OpenAIAPI
 from gateway.settings import GatewaySettings
+from gateway.supervisor import WorkerSupervisor
 from gateway.worker_link import WorkerLink
+from protocol.worker_settings import WorkerSettings
 
 log = logging.getLogger("mlxd.gateway")
 
 
-def create_app(settings: GatewaySettings, on_startup=None, on_shutdown=None) -> Starlette:
-    """on_startup/on_shutdown: async callables run once the link is bound / before it closes
-    (`mlxd serve` starts and stops its worker there)."""
-    link = WorkerLink(settings.worker_endpoint, worker_timeout_s=settings.worker_timeout_s)
+def _json(body: dict, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None = None) -> Starlette:
+    """The gateway. With worker_settings (`mlxd serve`), it also supervises a worker of its own."""
+    link = WorkerLink(
+        settings.worker_endpoint,
+        worker_timeout_s=settings.worker_timeout_s,
+        hung_worker_s=settings.hung_worker_s,
+        worker_wait_s=settings.worker_wait_s,
+    )
+    supervisor = WorkerSupervisor(worker_settings, link, settings.drain_s + 5) if worker_settings else None
     api = OpenAIAPI(link, settings)
 
     async def health(_request: Request) -> Response:
-        body = {"status": "ok", "worker": link.status()}
-        return Response(msgspec.json.encode(body), media_type="application/json")
+        body: dict = {"status": "draining" if api.draining else "ok", "worker": link.status()}
+        if supervisor is not None:
+            body["supervisor"] = supervisor.status()
+        return _json(body)
+
+    async def ready(_request: Request) -> Response:
+        if link.ready and not api.draining:
+            return _json({"ready": True})
+        return _json({"ready": False, "worker": link.status()["state"]}, 503, {"Retry-After": "1"})
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app):
+    async def lifespan(app: Starlette):
         await link.start()
-        if on_startup:
-            await on_startup()
+        if supervisor is not None:
+            await supervisor.start()
+        app.state.loop = asyncio.get_running_loop()
         try:
             yield
         finally:
-            if on_shutdown:
-                await on_shutdown()
+            if supervisor is not None:
+                await supervisor.stop()
             await link.close()
+
+    def begin_drain() -> None:
+        """On SIGTERM/SIGINT (from the signal handler): refuse new requests; let
+        open streams run for --drain-s, then end them with an error event."""
+        api.draining = True
+        loop = app.state.loop
+        log.info("draining: open requests have %gs to finish", settings.drain_s)
+        loop.call_soon_threadsafe(loop.call_later, settings.drain_s, link.end_all, "the server is shutting down")
 
     app = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
+            Route("/ready", ready, methods=["GET"]),
             Route("/v1/models", api.models, methods=["GET"]),
             Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
             Route("/v1/completions", api.completions, methods=["POST"]),
@@ -57,4 +86,6 @@ def create_app(settings: GatewaySettings, on_startup=None, on_shutdown=None) -> 
         lifespan=lifespan,
     )
     app.state.link = link
+    app.state.supervisor = supervisor
+    app.state.begin_drain = begin_drain
     return app

@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 
@@ -40,9 +41,38 @@ def _configure_logging(level: str) -> None:
     )
 
 
-def _run_gateway(settings: GatewaySettings, on_startup=None, on_shutdown=None) -> int:
-    app = create_app(settings, on_startup=on_startup, on_shutdown=on_shutdown)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+class DrainingServer(uvicorn.Server):
+    """uvicorn, plus our drain on the first SIGTERM/SIGINT: open streams get
+    --drain-s to finish and are then ended cleanly, so shutdown never hangs."""
+
+    def __init__(self, config: uvicorn.Config, begin_drain) -> None:
+        super().__init__(config)
+        self._begin_drain = begin_drain
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            self._begin_drain()
+        super().handle_exit(sig, frame)
+
+
+def _run_gateway(settings: GatewaySettings, worker_settings: WorkerSettings | None = None) -> int:
+    app = create_app(settings, worker_settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        # A backstop only: the drain itself ends every stream after drain_s.
+        timeout_graceful_shutdown=settings.drain_s + 3,
+    )
+    try:
+        DrainingServer(config, app.state.begin_drain).run()
+    finally:
+        supervisor = app.state.supervisor
+        if supervisor is not None and supervisor.process is not None and supervisor.process.returncode is None:
+            # A second Ctrl-C skips the orderly stop; do not leave the worker behind.
+            os.kill(supervisor.process.pid, signal.SIGTERM)
     return 0
 
 
@@ -79,11 +109,8 @@ def serve_main(argv: list[str]) -> int:
         parser.error(str(e))
     _configure_logging(gateway_settings.log_level)
 
-    from gateway.supervisor import WorkerProcess
-
-    worker = WorkerProcess(worker_settings)
     try:
-        return _run_gateway(gateway_settings, on_startup=worker.start, on_shutdown=worker.stop)
+        return _run_gateway(gateway_settings, worker_settings)
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
 

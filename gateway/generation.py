@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import msgspec
+
 from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
-from protocol import RequestOutput
+from protocol import AddRequest, RequestOutput, Sampling
 
 
 @dataclass(slots=True)
@@ -55,10 +57,16 @@ class StopMatcher:
 
 
 class RequestStream:
-    def __init__(self, request_id: str, prompt_tokens: int, tokenizer: Tokenizer, stop: list[str]) -> None:
+    def __init__(
+        self, request_id: str, prompt: list[int], sampling: Sampling, tokenizer: Tokenizer, stop: list[str]
+    ) -> None:
         self.request_id = request_id
-        self.prompt_tokens = prompt_tokens
-        self.completion_tokens = 0
+        self.prompt = prompt
+        self.sampling = sampling
+        # Every token the worker produced, so that a lost worker's requests
+        # can continue on the next one from exactly where they were.
+        self.generated: list[int] = []
+        self.worker_losses = 0
         self.finished = False
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self._detokenizer = IncrementalDetokenizer(tokenizer)
@@ -70,7 +78,7 @@ class RequestStream:
         if self._rendered_final:
             return None
         token_ids = output.token_ids
-        self.completion_tokens += len(token_ids)
+        self.generated += token_ids
         if output.finish_reason == "stop":
             token_ids = token_ids[:-1]
         final = output.finish_reason is not None
@@ -82,6 +90,22 @@ class RequestStream:
         if hit:
             return Delta(text, "stop", abort_worker=not final)
         return Delta(text, output.finish_reason)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.generated)
+
+    def add_request(self) -> AddRequest:
+        """The request for a worker: the whole of it, or after a lost worker,
+        the rest of it (the prompt followed by what was already generated)."""
+        if not self.generated:
+            return AddRequest(self.request_id, self.prompt, self.sampling)
+        rest = msgspec.structs.replace(self.sampling, max_tokens=self.sampling.max_tokens - len(self.generated))
+        return AddRequest(self.request_id, self.prompt + self.generated, rest)
 
     def fail(self, message: str, status: int) -> Delta:
         self._rendered_final = True

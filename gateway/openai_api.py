@@ -39,7 +39,7 @@ from gateway.openai_schema import (
 from gateway.settings import GatewaySettings
 from gateway.tokenizer import PromptError
 from gateway.worker_link import WorkerLink, WorkerState, WorkerUnavailable
-from protocol import AddRequest, Sampling
+from protocol import Sampling
 
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
@@ -54,10 +54,13 @@ class OpenAIAPI:
         self.link = link
         self.settings = settings
         self.started = int(time.time())
+        self.draining = False  # set on SIGTERM: no new requests
 
     # ---- shared steps -------------------------------------------------------
 
     async def _worker(self) -> WorkerState:
+        if self.draining:
+            raise _unavailable("the server is shutting down")
         try:
             return await self.link.ready_worker(self.settings.worker_wait_s)
         except WorkerUnavailable as e:
@@ -165,9 +168,9 @@ class OpenAIAPI:
             seed=body.seed,
             ignore_eos=body.ignore_eos,
         )
-        stream = RequestStream(output.id, len(prompt), worker.tokenizer, body.stop_strings())
+        stream = RequestStream(output.id, prompt, sampling, worker.tokenizer, body.stop_strings())
         try:
-            self.link.submit(stream, AddRequest(output.id, prompt, sampling))
+            self.link.submit(stream)
         except WorkerUnavailable as e:
             raise _unavailable(str(e)) from None
         if body.stream:

@@ -21,6 +21,17 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
         float, Meta(ge=0, description="how long a request waits for a ready worker before a 503")
     ] = 30.0
     worker_timeout_s: Annotated[
-        float, Meta(gt=0, description="a worker silent this long is considered lost")
-    ] = 30.0
+        float, Meta(gt=0, description="a worker with no heartbeat this long is unresponsive (not ready)")
+    ] = 5.0
+    hung_worker_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="a worker whose step counter stalls this long while requests run (or that stays "
+            "unresponsive this long) is hung; `mlxd serve` then kills and restarts it",
+        ),
+    ] = 60.0
+    drain_s: Annotated[
+        float, Meta(ge=0, description="on SIGTERM, how long open streams may finish before they are ended")
+    ] = 10.0
     log_level: Annotated[str, Meta(description="debug, info, warning or error")] = "info"

@@ -1,46 +1,111 @@
-"""`mlxd serve`'s child worker: started after the gateway binds, stopped before it exits."""
+"""`mlxd serve`'s worker supervision: start it, restart it, stop it.
+
+A worker that exits is restarted after a backoff that doubles from 0.5 s up
+to 30 s (and starts over once a worker has stayed up a minute). Five exits
+within a minute is a crash loop: reported in /health and the log, and retried
+at the slowest pace rather than spun. A worker the link reports hung is killed,
+and so restarted.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
+import time
 
+import msgspec
+
+from gateway.worker_link import WorkerLink
 from protocol.settings import to_arguments
 from protocol.worker_settings import WorkerSettings
 
 log = logging.getLogger("mlxd.gateway.supervisor")
 
+INITIAL_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+STABLE_AFTER_S = 60.0
+CRASH_LOOP_EXITS = 5
+CRASH_LOOP_WINDOW_S = 60.0
 
-class WorkerProcess:
-    def __init__(self, settings: WorkerSettings, stop_timeout_s: float = 10.0) -> None:
+
+class WorkerSupervisor:
+    def __init__(self, settings: WorkerSettings, link: WorkerLink, stop_timeout_s: float) -> None:
         # The worker is its own program (`python -m worker`): the gateway
         # never imports it, and MLX never enters this process.
+        settings = msgspec.structs.replace(settings, parent_pid=os.getpid())
         self.argv = [sys.executable, "-m", "worker", *to_arguments(settings)]
+        self.link = link
         self.stop_timeout_s = stop_timeout_s
         self.process: asyncio.subprocess.Process | None = None
-        self._watch: asyncio.Task | None = None
+        self.restarts = 0
+        self.last_exit_status: int | None = None
+        self.crash_loop = False
+        self._exits: list[float] = []
+        self._stopping = False
+        self._task: asyncio.Task | None = None
+        link.on_unhealthy = self.kill
 
     async def start(self) -> None:
-        self.process = await asyncio.create_subprocess_exec(*self.argv)
-        log.info("started worker pid %d", self.process.pid)
-        self._watch = asyncio.create_task(self._watch_exit(self.process))
+        self._task = asyncio.create_task(self._run(), name="mlxd-supervisor")
 
-    async def _watch_exit(self, process: asyncio.subprocess.Process) -> None:
-        code = await process.wait()
-        log.warning("worker pid %d exited with status %s", process.pid, code)
+    def status(self) -> dict:
+        return {
+            "pid": self.process.pid if self.process else None,
+            "restarts": self.restarts,
+            "last_exit_status": self.last_exit_status,
+            "crash_loop": self.crash_loop,
+        }
+
+    async def _run(self) -> None:
+        backoff = INITIAL_BACKOFF_S
+        while not self._stopping:
+            started = time.monotonic()
+            self.process = await asyncio.create_subprocess_exec(*self.argv)
+            log.info("started worker pid %d", self.process.pid)
+            status = await self.process.wait()
+            self.link.worker_process_exited(self.process.pid, status)
+            if self._stopping:
+                return
+            now = time.monotonic()
+            self.restarts += 1
+            self.last_exit_status = status
+            if now - started >= STABLE_AFTER_S:
+                backoff = INITIAL_BACKOFF_S
+            self._exits = [t for t in self._exits if now - t < CRASH_LOOP_WINDOW_S] + [now]
+            self.crash_loop = len(self._exits) >= CRASH_LOOP_EXITS
+            if self.crash_loop:
+                backoff = MAX_BACKOFF_S
+                log.error(
+                    "worker crash loop: %d exits within %gs (last status %s); retrying every %gs",
+                    len(self._exits), CRASH_LOOP_WINDOW_S, status, MAX_BACKOFF_S,
+                )
+            log.warning(
+                "worker pid %d exited with status %s after %.1fs; restarting in %.1fs",
+                self.process.pid, status, now - started, backoff,
+            )
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    def kill(self, pid: int) -> None:
+        """The link found this worker hung or unresponsive: kill it (and so restart it)."""
+        if self.process is not None and self.process.pid == pid and self.process.returncode is None:
+            log.error("killing hung worker pid %d", pid)
+            self.process.kill()
 
     async def stop(self) -> None:
+        self._stopping = True
         process = self.process
-        if process is None or process.returncode is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(process.wait(), self.stop_timeout_s)
-        except TimeoutError:
-            log.warning("worker pid %d ignored SIGTERM for %gs; killing it", process.pid, self.stop_timeout_s)
-            process.kill()
-            await process.wait()
-        if self._watch:
-            self._watch.cancel()
+        if process is not None and process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), self.stop_timeout_s)
+            except TimeoutError:
+                log.warning("worker pid %d ignored SIGTERM for %gs; killing it", process.pid, self.stop_timeout_s)
+                process.kill()
+                await process.wait()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)

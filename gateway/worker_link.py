@@ -1,8 +1,20 @@
-"""The gateway's end of the ZeroMQ link: handshake, dispatch, worker state.
+"""The gateway's end of the ZeroMQ link: handshake, dispatch, worker liveness.
 
 The gateway binds a ROUTER socket; each worker connects a DEALER whose
-identity carries its epoch, so messages from a worker that has been replaced
-are recognised and ignored.
+identity carries its epoch (its heartbeat thread connects another), so
+messages from a worker that has been replaced are recognised and ignored.
+
+The worker is, at any moment, one of:
+  ready         heartbeats arrive and its step counter moves when it has work
+  draining      it announced it is stopping; new requests wait for the next one
+  unresponsive  no heartbeat for --worker-timeout-s (frozen, or gone silently)
+  hung          heartbeats arrive but the step counter has not moved for
+                --hung-worker-s while requests are running
+An unresponsive worker that beats again is ready again, its requests intact.
+A worker that is gone (Goodbye, process exit, or replaced by a newer one)
+leaves its unfinished requests to be resumed on the next worker: the prompt
+plus the tokens already delivered, so the client sees only a pause. A request
+survives one lost worker; one caught in a second fails cleanly.
 """
 
 from __future__ import annotations
@@ -12,6 +24,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +37,8 @@ from gateway.tokenizer import Tokenizer, files_digest
 from protocol import (
     PROTOCOL_VERSION,
     Abort,
-    AddRequest,
     AffinityReport,
+    Draining,
     Error,
     Goodbye,
     Heartbeat,
@@ -41,6 +54,10 @@ from protocol import (
 
 log = logging.getLogger("mlxd.gateway.link")
 
+# How many lost workers a request survives.
+MAX_WORKER_LOSSES = 1
+WATCHDOG_INTERVAL_S = 0.1
+
 
 class WorkerUnavailable(Exception):
     pass
@@ -51,11 +68,24 @@ class WorkerState:
     identity: bytes
     hello: Hello
     tokenizer: Tokenizer
-    last_seen: float
+    accepted_at: float
+    last_beat: float
+    last_progress: float  # when the step counter last moved (or the worker was idle)
+    state: str = "ready"
+    bad_since: float | None = None
+    reported_unhealthy: bool = False
     steps: int = 0
     running: int = 0
     waiting: int = 0
     affinity: AffinityReport | None = None
+    draining: bool = False
+
+
+@dataclass
+class LinkStats:
+    workers_lost: int = 0
+    requests_resumed: int = 0
+    requests_failed_by_loss: int = 0
 
 
 def ensure_private_dir(path: Path) -> None:
@@ -71,11 +101,26 @@ def ensure_private_dir(path: Path) -> None:
 
 
 class WorkerLink:
-    def __init__(self, endpoint: str, *, worker_timeout_s: float) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        worker_timeout_s: float,
+        hung_worker_s: float,
+        worker_wait_s: float,
+        on_unhealthy: Callable[[int], None] | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.worker_timeout_s = worker_timeout_s
+        self.hung_worker_s = hung_worker_s
+        self.worker_wait_s = worker_wait_s
+        # Called with the pid of a worker hung or unresponsive for
+        # --hung-worker-s; `mlxd serve` kills it there and starts another.
+        self.on_unhealthy = on_unhealthy
         self.worker: WorkerState | None = None
-        self.requests: dict[str, RequestStream] = {}
+        self.stats = LinkStats()
+        self.requests: dict[str, RequestStream] = {}  # every unfinished request
+        self._resume_by: dict[str, float] = {}  # request id -> deadline to get a worker
         self._ready = asyncio.Event()
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -97,12 +142,16 @@ class WorkerLink:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._fail_all("the gateway is shutting down")
+        self.end_all("the gateway is shutting down")
         self._socket.close()
         self._context.term()
         self._detokenizer.shutdown(wait=False)
 
     # ---- used by the HTTP handlers -----------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
 
     async def ready_worker(self, timeout_s: float) -> WorkerState:
         try:
@@ -112,37 +161,50 @@ class WorkerLink:
         assert self.worker is not None
         return self.worker
 
-    def submit(self, stream: RequestStream, request: AddRequest) -> None:
-        if self.worker is None:
+    def submit(self, stream: RequestStream) -> None:
+        if self.worker is None or not self.ready:
             raise WorkerUnavailable("the worker went away")
         self.requests[stream.request_id] = stream
-        self._send(self.worker.identity, request)
+        self._send(self.worker.identity, stream.add_request())
 
     def abort(self, request_id: str) -> None:
         """Forget the request and tell the worker to drop it. Idempotent."""
+        self._resume_by.pop(request_id, None)
         if self.requests.pop(request_id, None) is not None and self.worker is not None:
             self._send(self.worker.identity, Abort([request_id]))
 
+    def end_all(self, message: str) -> None:
+        """End every unfinished request with an error (gateway shutdown)."""
+        for stream in list(self.requests.values()):
+            self.abort(stream.request_id)
+            stream.queue.put_nowait(stream.fail(message, 503))
+
     def status(self) -> dict:
         w = self.worker
-        if w is None:
-            return {"ready": False}
-        state = {
-            "ready": True,
-            "pid": w.hello.pid,
-            "epoch": w.hello.epoch,
-            "model": w.hello.model,
-            "context_length": w.hello.context_length,
-            "capacity": w.hello.capacity,
-            "running": w.running,
-            "waiting": w.waiting,
-            "steps": w.steps,
-        }
-        if w.affinity is not None:
-            state["affinity"] = {
-                "evaluations": w.affinity.evaluations,
-                "off_main_thread": w.affinity.off_main_thread,
-            }
+        state: dict = {"ready": self.ready, "state": w.state if w else "absent"}
+        if w is not None:
+            now = time.monotonic()
+            state.update(
+                pid=w.hello.pid,
+                epoch=w.hello.epoch,
+                model=w.hello.model,
+                context_length=w.hello.context_length,
+                capacity=w.hello.capacity,
+                running=w.running,
+                waiting=w.waiting,
+                steps=w.steps,
+                last_heartbeat_s=round(now - w.last_beat, 3),
+                up_s=round(now - w.accepted_at, 1),
+            )
+            if w.affinity is not None:
+                state["affinity"] = {
+                    "evaluations": w.affinity.evaluations,
+                    "off_main_thread": w.affinity.off_main_thread,
+                }
+        state["requests_waiting_for_a_worker"] = len(self._resume_by)
+        state["workers_lost"] = self.stats.workers_lost
+        state["requests_resumed"] = self.stats.requests_resumed
+        state["requests_failed_by_loss"] = self.stats.requests_failed_by_loss
         return state
 
     # ---- the link itself ---------------------------------------------------
@@ -164,40 +226,41 @@ class WorkerLink:
                 await self._accept(identity, message)
                 continue
             w = self.worker
+            if isinstance(message, Heartbeat):
+                if w is not None and message.epoch == w.hello.epoch:
+                    self._on_heartbeat(w, message)
+                continue
             if w is None or identity != w.identity:
                 continue  # a replaced worker's leftovers
-            w.last_seen = time.monotonic()
             if isinstance(message, StepOutput):
                 rendered = await loop.run_in_executor(self._detokenizer, self._render, message)
                 self._deliver(rendered)
-            elif isinstance(message, Heartbeat):
-                w.steps, w.running, w.waiting = message.step, message.running, message.waiting
-                w.affinity = message.affinity
             elif isinstance(message, Error):
                 self._on_error(message)
+            elif isinstance(message, Draining):
+                w.draining = True
+                self._assess(w)
             elif isinstance(message, Goodbye):
-                self._lose_worker(f"the worker said goodbye: {message.reason}")
+                self._lose_worker(f"it said goodbye ({message.reason})", handed_back=set(message.handed_back))
 
     def _reject(self, identity: bytes, frame: bytes, error: ProtocolError) -> None:
         version = hello_version(frame)
         if version is not None and version != PROTOCOL_VERSION:
-            reason = (
-                f"protocol version mismatch: the gateway speaks version {PROTOCOL_VERSION}, "
-                f"the worker speaks version {version}"
-            )
-            log.error("refused a worker: %s", reason)
-            self._send(identity, Refused(reason))
+            self._refuse(identity, version)
         else:
             log.warning("ignored an unreadable message from a worker: %s", error)
 
+    def _refuse(self, identity: bytes, version: int) -> None:
+        reason = (
+            f"protocol version mismatch: the gateway speaks version {PROTOCOL_VERSION}, "
+            f"the worker speaks version {version}"
+        )
+        log.error("refused a worker: %s", reason)
+        self._send(identity, Refused(reason))
+
     async def _accept(self, identity: bytes, hello: Hello) -> None:
         if hello.protocol_version != PROTOCOL_VERSION:
-            reason = (
-                f"protocol version mismatch: the gateway speaks version {PROTOCOL_VERSION}, "
-                f"the worker speaks version {hello.protocol_version}"
-            )
-            log.error("refused a worker: %s", reason)
-            self._send(identity, Refused(reason))
+            self._refuse(identity, hello.protocol_version)
             return
         w = self.worker
         if w is not None and w.identity == identity:
@@ -210,15 +273,74 @@ class WorkerLink:
             tokenizer = w.tokenizer
         else:
             tokenizer = await asyncio.to_thread(Tokenizer, hello.tokenizer_files)
-        if w is not None:
-            self._lose_worker("replaced by a newer worker")
-        self.worker = WorkerState(identity, hello, tokenizer, last_seen=time.monotonic())
+        if self.worker is not None:
+            old = self.worker
+            self._lose_worker(f"replaced by a newer worker (pid {hello.pid})", handed_back=set())
+            # Should the old one wake up, it must not serve beside the new one.
+            self._send(old.identity, Refused("replaced by a newer worker"))
+        now = time.monotonic()
+        self.worker = WorkerState(identity, hello, tokenizer, accepted_at=now, last_beat=now, last_progress=now)
         self._send(identity, Welcome(hello.epoch))
         self._ready.set()
         log.info(
             "worker ready: pid %d, epoch %d, model %s, context %d, capacity %d",
             hello.pid, hello.epoch, hello.model, hello.context_length, hello.capacity,
         )
+        self._resume_waiting()
+
+    def _resume_waiting(self) -> None:
+        w = self.worker
+        assert w is not None
+        resumed = 0
+        for request_id in list(self._resume_by):
+            del self._resume_by[request_id]
+            if (stream := self.requests.get(request_id)) is not None:
+                self._send(w.identity, stream.add_request())
+                resumed += 1
+        if resumed:
+            self.stats.requests_resumed += resumed
+            log.info("resumed %d requests on worker pid %d", resumed, w.hello.pid)
+
+    def _on_heartbeat(self, w: WorkerState, beat: Heartbeat) -> None:
+        now = time.monotonic()
+        w.last_beat = now
+        if beat.step != w.steps or beat.running == 0:
+            w.last_progress = now
+        w.steps, w.running, w.waiting, w.affinity = beat.step, beat.running, beat.waiting, beat.affinity
+        self._assess(w)
+
+    def _assess(self, w: WorkerState) -> None:
+        """Work out the worker's state; act on a change."""
+        now = time.monotonic()
+        if w.draining:
+            state = "draining"
+        elif now - w.last_beat > self.worker_timeout_s:
+            state = "unresponsive"
+        elif w.running > 0 and now - w.last_progress > self.hung_worker_s:
+            state = "hung"
+        else:
+            state = "ready"
+        if state != w.state:
+            level = logging.INFO if state in ("ready", "draining") else logging.WARNING
+            log.log(level, "worker pid %d: %s -> %s", w.hello.pid, w.state, state)
+            w.state = state
+            w.bad_since = now if state in ("unresponsive", "hung") else None
+            w.reported_unhealthy = False
+        if state == "ready":
+            self._ready.set()
+        else:
+            self._ready.clear()
+        unhealthy_for = now - w.bad_since if w.bad_since is not None else 0.0
+        if (state == "hung" or unhealthy_for > self.hung_worker_s) and not w.reported_unhealthy:
+            w.reported_unhealthy = True
+            log.error("worker pid %d is %s; it cannot serve", w.hello.pid, state)
+            if self.on_unhealthy is not None:
+                self.on_unhealthy(w.hello.pid)
+
+    def worker_process_exited(self, pid: int, status: int | None) -> None:
+        """`mlxd serve`'s supervisor saw the worker process end."""
+        if self.worker is not None and self.worker.hello.pid == pid:
+            self._lose_worker(f"its process exited with status {status}", handed_back=set())
 
     def _render(self, step: StepOutput) -> list[tuple[RequestStream, Delta]]:
         """Detokenizer thread: text for every request in one step."""
@@ -246,22 +368,39 @@ class WorkerLink:
         if stream is not None:
             stream.queue.put_nowait(stream.fail(f"the worker rejected the request: {error.message}", 500))
 
-    def _fail_all(self, message: str) -> None:
-        requests, self.requests = self.requests, {}
-        for stream in requests.values():
-            stream.queue.put_nowait(stream.fail(message, 503))
-
-    def _lose_worker(self, why: str) -> None:
-        if self.worker is None:
+    def _lose_worker(self, why: str, handed_back: set[str]) -> None:
+        w = self.worker
+        if w is None:
             return
-        log.warning("worker (pid %d) lost: %s", self.worker.hello.pid, why)
+        log.warning("worker pid %d lost: %s", w.hello.pid, why)
         self.worker = None
         self._ready.clear()
-        self._fail_all(f"the worker was lost: {why}")
+        self.stats.workers_lost += 1
+        deadline = time.monotonic() + self.worker_wait_s
+        for request_id, stream in list(self.requests.items()):
+            if request_id in self._resume_by:
+                continue  # already waiting: it never reached this worker
+            if request_id not in handed_back:
+                stream.worker_losses += 1
+            if stream.worker_losses > MAX_WORKER_LOSSES:
+                del self.requests[request_id]
+                self.stats.requests_failed_by_loss += 1
+                stream.queue.put_nowait(stream.fail(f"the worker was lost twice during this request: {why}", 503))
+            else:
+                self._resume_by[request_id] = deadline
 
     async def _watchdog(self) -> None:
         while True:
-            await asyncio.sleep(min(1.0, self.worker_timeout_s / 4))
-            w = self.worker
-            if w is not None and time.monotonic() - w.last_seen > self.worker_timeout_s:
-                self._lose_worker(f"no message for {self.worker_timeout_s:g}s")
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            if self.worker is not None:
+                self._assess(self.worker)
+            now = time.monotonic()
+            for request_id, deadline in list(self._resume_by.items()):
+                if now > deadline:
+                    del self._resume_by[request_id]
+                    stream = self.requests.pop(request_id, None)
+                    if stream is not None:
+                        self.stats.requests_failed_by_loss += 1
+                        stream.queue.put_nowait(
+                            stream.fail(f"no worker came back within {self.worker_wait_s:g}s", 503)
+                        )

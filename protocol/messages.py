@@ -116,10 +116,22 @@ class AffinityReport(msgspec.Struct, array_like=True):
 
 
 class Heartbeat(_Message, tag="heartbeat"):
+    """Sent at a fixed interval by a thread of its own (which never touches
+    MLX), so a worker whose main thread is stuck in one step still beats but
+    its step counter stalls: that is how the gateway tells hung from busy."""
+
+    epoch: int
     step: int
     running: int
     waiting: int
     affinity: AffinityReport | None = None
+
+
+class Draining(_Message, tag="draining"):
+    """The worker is stopping (SIGTERM): send it nothing new. Its running
+    requests finish or are handed back in the Goodbye."""
+
+    reason: str
 
 
 class Error(_Message, tag="error"):
@@ -131,7 +143,12 @@ class Error(_Message, tag="error"):
 
 
 class Goodbye(_Message, tag="goodbye"):
+    """The worker's last message. handed_back: requests it did not finish,
+    for the gateway to resume elsewhere; any other unfinished request of this
+    worker was lost."""
+
     reason: str
+    handed_back: list[str] = []
 
 
-FromWorker = Hello | StepOutput | Heartbeat | Error | Goodbye
+FromWorker = Hello | StepOutput | Heartbeat | Draining | Error | Goodbye

@@ -37,4 +37,11 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
         Meta(description="on MLX's CPU backend, run quantized models as float32 (much faster with BLAS)"),
     ] = True
     heartbeat_s: Annotated[float, Meta(gt=0, description="seconds between heartbeats")] = 0.5
+    drain_s: Annotated[
+        float,
+        Meta(ge=0, description="on SIGTERM, how long running requests may finish before they are handed back"),
+    ] = 5.0
+    parent_pid: Annotated[
+        int | None, Meta(description="stop when this process is gone (`mlxd serve` sets it to itself)")
+    ] = None
     log_level: Annotated[str, Meta(description="debug, info, warning or error")] = "info"

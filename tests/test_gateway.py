@@ -35,7 +35,10 @@ def gateway(tmp_path):
 
 
 def test_no_worker_means_503_with_retry_after(gateway):
-    assert gateway.health() == {"status": "ok", "worker": {"ready": False}}
+    health = gateway.health()
+    assert health["status"] == "ok"
+    assert health["worker"]["ready"] is False and health["worker"]["state"] == "absent"
+    assert gateway.http.get("/ready").status_code == 503
     started = time.monotonic()
     response = gateway.http.post(
         "/v1/chat/completions", json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
@@ -58,7 +61,7 @@ def test_worker_of_another_protocol_version_is_refused(gateway, tmp_path):
         assert isinstance(refused, Refused)
         assert f"version {PROTOCOL_VERSION}" in refused.reason
         assert f"version {PROTOCOL_VERSION + 98}" in refused.reason
-        assert gateway.health()["worker"] == {"ready": False}
+        assert gateway.health()["worker"]["state"] == "absent"
     finally:
         rogue.close()
         context.term()

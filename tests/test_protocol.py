@@ -12,6 +12,7 @@ from protocol import (
     Abort,
     AddRequest,
     AffinityReport,
+    Draining,
     Error,
     Goodbye,
     Heartbeat,
@@ -43,11 +44,13 @@ TO_WORKER = [
 FROM_WORKER = [
     Hello(PROTOCOL_VERSION, 123, 456, "model", 2048, 384, 32, [2], {"tokenizer.json": b"{}"}),
     StepOutput(3, [RequestOutput("a", [5]), RequestOutput("b", [2], "stop"), RequestOutput("c", [7], "length")]),
-    Heartbeat(10, 2, 1),
-    Heartbeat(10, 2, 1, AffinityReport(100, 0)),
+    Heartbeat(123, 10, 2, 1),
+    Heartbeat(123, 10, 2, 1, AffinityReport(100, 0)),
+    Draining("the worker is stopping"),
     Error("cmpl-1", "token id 999 is outside the vocabulary"),
     Error(None, "unreadable message"),
     Goodbye("shutting down"),
+    Goodbye("shutting down", ["cmpl-1", "chatcmpl-2"]),
 ]
 
 
@@ -75,7 +78,7 @@ def test_add_request_round_trip_property(request_id, prompt, max_tokens, tempera
 
 def test_directions_do_not_mix():
     with pytest.raises(ProtocolError):
-        decode_to_worker(encode(Heartbeat(1, 0, 0)))
+        decode_to_worker(encode(Heartbeat(1, 1, 0, 0)))
     with pytest.raises(ProtocolError):
         decode_from_worker(encode(Abort(["x"])))
 

@@ -111,7 +111,7 @@ def test_greedy_tokens_equal_mlx_lm(gateway, reference):
 
 @pytest.mark.parametrize(
     "frame",
-    [b"", b"\xc1", msgspec.msgpack.encode(["launch_missiles"]), encode(Abort(["x"]))[:-2], encode(Heartbeat(1, 0, 0))],
+    [b"", b"\xc1", msgspec.msgpack.encode(["launch_missiles"]), encode(Abort(["x"]))[:-2], encode(Heartbeat(1, 1, 0, 0))],
     ids=["empty", "invalid msgpack", "unknown type", "truncated", "wrong direction"],
 )
 def test_unreadable_message_is_answered_and_survived(gateway, reference, frame):

@@ -3,6 +3,10 @@
 Each turn: take every waiting message (without blocking while there is work),
 apply aborts and adds, run one engine step, take any aborts that arrived
 during the step, and send one StepOutput for the whole batch.
+
+SIGTERM (or SIGINT) drains: the worker tells the gateway it is Draining, runs
+its requests for up to --drain-s, then hands back the unfinished ones in its
+Goodbye, for the gateway to resume on the next worker, and exits 0.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from protocol import (
     PROTOCOL_VERSION,
     Abort,
     AddRequest,
+    Draining,
     Error,
     Goodbye,
     Heartbeat,
@@ -31,6 +36,7 @@ from protocol import (
 )
 from worker.audit import AffinityAudit
 from worker.engine import Engine, InvalidRequest
+from worker.heartbeat import HeartbeatThread
 from worker.model import load_model
 from worker.model_source import ModelNotFound
 from protocol.worker_settings import WorkerSettings
@@ -52,7 +58,8 @@ class Worker:
         self.hello = hello
         self.audit = audit
         self.welcomed = False
-        self.stopping = False
+        self.drain_deadline: float | None = None
+        self.handed_back: list[str] = []
         self._context = zmq.Context()
         self.socket = self._context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, f"worker-{hello.epoch}".encode())
@@ -91,7 +98,9 @@ class Worker:
         if aborted:
             self.engine.abort(list(aborted))
         for m in messages:
-            if isinstance(m, AddRequest) and m.request_id not in aborted:
+            if isinstance(m, AddRequest) and m.request_id not in aborted and self.drain_deadline is not None:
+                self.handed_back.append(m.request_id)  # crossed our Draining on the wire
+            elif isinstance(m, AddRequest) and m.request_id not in aborted:
                 try:
                     self.engine.add(m)
                 except InvalidRequest as e:
@@ -118,24 +127,42 @@ class Worker:
             self.send(StepOutput(self.engine.steps, outputs))
 
     def heartbeat(self) -> Heartbeat:
+        """Heartbeat thread: a snapshot of plain counters, no MLX."""
         return Heartbeat(
+            epoch=self.hello.epoch,
             step=self.engine.steps,
             running=self.engine.running,
             waiting=self.engine.waiting,
             affinity=self.audit.report() if self.audit else None,
         )
 
+    def drain(self, drain_s: float) -> None:
+        """Signal handler: stop admitting; finish or hand back within drain_s."""
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + drain_s
+
     def run(self) -> int:
-        next_hello = next_heartbeat = 0.0
+        heartbeat = HeartbeatThread(
+            self._context, self.settings.worker_endpoint, self.hello.epoch, self.settings.heartbeat_s, self.heartbeat
+        )
+        heartbeat.start()
+        next_hello = 0.0
+        announced_drain = False
         try:
-            while not self.stopping:
+            while True:
                 now = time.monotonic()
+                if self.drain_deadline is not None:
+                    if not announced_drain:
+                        self.send(Draining("the worker is stopping"))
+                        announced_drain = True
+                    if not self.engine.has_work or now >= self.drain_deadline:
+                        break
                 if not self.welcomed and now >= next_hello:
                     self.send(self.hello)
                     next_hello = now + HELLO_RETRY_S
-                if now >= next_heartbeat:
-                    self.send(self.heartbeat())
-                    next_heartbeat = now + self.settings.heartbeat_s
+                if self.settings.parent_pid is not None and os.getppid() != self.settings.parent_pid:
+                    log.warning("the gateway that started this worker is gone; stopping")
+                    self.drain(0)
                 self.handle(self.receive(0 if self.engine.has_work else IDLE_POLL_MS))
                 if self.engine.has_work:
                     self.step()
@@ -143,7 +170,11 @@ class Worker:
             log.error("the gateway refused this worker: %s", e)
             return 2
         finally:
-            self.send(Goodbye("shutting down"))
+            heartbeat.stop()
+            self.handed_back += self.engine.abort_all()
+            if self.handed_back:
+                log.info("handing %d unfinished requests back to the gateway", len(self.handed_back))
+            self.send(Goodbye("the worker is stopping", self.handed_back))
             self.socket.close()
             self._context.term()
         return 0
@@ -183,8 +214,8 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
     worker = Worker(settings, engine, hello, affinity)
 
     def stop(signum, _frame):
-        log.info("received %s; stopping", signal.Signals(signum).name)
-        worker.stopping = True
+        log.info("received %s; draining for up to %gs", signal.Signals(signum).name, settings.drain_s)
+        worker.drain(settings.drain_s)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
