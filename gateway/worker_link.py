@@ -11,6 +11,8 @@ The worker is, at any moment, one of:
   hung          heartbeats arrive but the step counter has not moved for
                 --hung-worker-s while requests are running
 An unresponsive worker that beats again is ready again, its requests intact.
+One unresponsive or hung for a further --hung-worker-s is given up on (and
+under `mlxd serve`, killed and restarted).
 A worker that is gone (Goodbye, process exit, or replaced by a newer one)
 leaves its unfinished requests to be resumed on the next worker: the prompt
 plus the tokens already delivered, so the client sees only a pause. A request
@@ -331,11 +333,17 @@ class WorkerLink:
         else:
             self._ready.clear()
         unhealthy_for = now - w.bad_since if w.bad_since is not None else 0.0
-        if (state == "hung" or unhealthy_for > self.hung_worker_s) and not w.reported_unhealthy:
+        if state == "hung" and not w.reported_unhealthy:
             w.reported_unhealthy = True
-            log.error("worker pid %d is %s; it cannot serve", w.hello.pid, state)
+            log.error("worker pid %d is hung: no step for %gs with requests running", w.hello.pid, self.hung_worker_s)
             if self.on_unhealthy is not None:
                 self.on_unhealthy(w.hello.pid)
+        if unhealthy_for > self.hung_worker_s:
+            # Given up on: its requests move on to the next worker (or fail
+            # after --worker-wait-s) rather than wait for it forever.
+            if self.on_unhealthy is not None and not w.reported_unhealthy:
+                self.on_unhealthy(w.hello.pid)
+            self._lose_worker(f"{state} for {unhealthy_for:.0f}s", handed_back=set())
 
     def worker_process_exited(self, pid: int, status: int | None) -> None:
         """`mlxd serve`'s supervisor saw the worker process end."""

@@ -37,14 +37,14 @@ class Reference:
             token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
 
-    def greedy(self, prompt: list[int], max_tokens: int) -> Expected:
+    def greedy(self, prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> Expected:
         tokens: list[int] = []
         finish = "length"
         for token, _ in generate_step(
             mx.array(prompt), self.model, max_tokens=max_tokens, sampler=make_sampler(0.0)
         ):
             tokens.append(int(token))
-            if int(token) in self.tokenizer.eos_token_ids:
+            if not ignore_eos and int(token) in self.tokenizer.eos_token_ids:
                 finish = "stop"
                 break
         text_tokens = tokens[:-1] if finish == "stop" else tokens

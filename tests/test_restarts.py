@@ -1,0 +1,285 @@
+"""The gateway outlives the worker: kills, graceful restarts, freezes, double losses, gateway drain."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, stop_process
+
+PROMPT = "Once upon a time"
+LONG = 900  # tokens: a few seconds of decoding, so that there is a middle to interrupt
+
+
+class Prober(threading.Thread):
+    """Polls /health every 50 ms and keeps every status code."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.statuses: list[int | str] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=2) as client:
+            while not self._halt.wait(0.05):
+                try:
+                    self.statuses.append(client.get(self.url + "/health").status_code)
+                except httpx.HTTPError as e:
+                    self.statuses.append(repr(e))
+
+    def stop(self) -> list:
+        self._halt.set()
+        self.join()
+        return self.statuses
+
+
+class StreamReader(threading.Thread):
+    """One streaming completion, read in the background."""
+
+    def __init__(self, url: str, max_tokens: int = LONG) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                     "ignore_eos": True, "stream": True}
+        self.pieces: list[str] = []
+        self.times: list[float] = []
+        self.errors: list[dict] = []
+        self.done = False
+        self.failure: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=120) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            self.errors.append(event["error"])
+                        elif event["choices"] and event["choices"][0]["text"]:
+                            self.pieces.append(event["choices"][0]["text"])
+                            self.times.append(time.monotonic())
+        except Exception as e:  # recorded for the test's assertions
+            self.failure = e
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def wait_for_pieces(self, n: int, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.pieces) < n:
+            assert time.monotonic() < deadline and self.is_alive(), (len(self.pieces), self.failure)
+            time.sleep(0.01)
+
+    def longest_pause(self) -> float:
+        return max(b - a for a, b in zip(self.times, self.times[1:]))
+
+
+class Split:
+    """A gateway and its workers as separate processes, the way launchd runs them."""
+
+    def __init__(self, model, tmp_path, *gateway_args: str) -> None:
+        self.model = model
+        self.tmp_path = tmp_path
+        self.endpoint = f"ipc://{tmp_path}/run/worker.sock"
+        self.gateway = Server(
+            ["gateway", "--worker-endpoint", self.endpoint, "--served-model-name", MODEL_NAME, *gateway_args],
+            tmp_path / "gateway.log",
+        )
+        self.workers: list[subprocess.Popen] = []
+
+    def start_worker(self, *args: str) -> subprocess.Popen:
+        log = open(self.tmp_path / f"worker{len(self.workers)}.log", "wb")
+        worker = subprocess.Popen(
+            [*MLXD, "worker", "--model", str(self.model), "--worker-endpoint", self.endpoint,
+             "--heartbeat-s", "0.1", *args],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        )
+        self.workers.append(worker)
+        return worker
+
+    def close(self) -> None:
+        for worker in self.workers:
+            if worker.poll() is None:
+                os.kill(worker.pid, signal.SIGCONT)
+            stop_process(worker)
+        self.gateway.stop()
+
+
+@pytest.fixture()
+def split(tiny_model, tmp_path):
+    made = []
+
+    def make(*gateway_args: str) -> Split:
+        made.append(Split(tiny_model, tmp_path, *gateway_args))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def expected(reference):
+    return reference.greedy(reference.text_prompt(PROMPT), LONG, ignore_eos=True).text
+
+
+def wait_for(predicate, timeout: float, what: str) -> float:
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def test_kill_9_mid_stream_then_a_new_worker(split, expected):
+    s = split("--worker-timeout-s", "1")
+    first = s.start_worker()
+    s.gateway.wait_ready()
+    gateway_pid = s.gateway.proc.pid
+    prober = Prober(s.gateway.url)
+    prober.start()
+    reader = StreamReader(s.gateway.url)
+    reader.start()
+    reader.wait_for_pieces(20)
+    os.kill(first.pid, signal.SIGKILL)
+    s.start_worker()
+    reader.join(60)
+    statuses = prober.stop()
+
+    assert reader.failure is None and reader.errors == [] and reader.done
+    assert reader.text == expected
+    assert statuses and all(status == 200 for status in statuses)
+    assert s.gateway.proc.pid == gateway_pid and s.gateway.proc.poll() is None
+    assert s.gateway.health()["worker"]["requests_resumed"] == 1
+    print(f"\nkill -9, then a new worker: the client's longest pause was {reader.longest_pause():.2f}s")
+
+
+def test_sigterm_hands_requests_back(split, expected):
+    s = split("--worker-timeout-s", "1")
+    first = s.start_worker("--drain-s", "0.3")
+    s.gateway.wait_ready()
+    reader = StreamReader(s.gateway.url)
+    reader.start()
+    reader.wait_for_pieces(20)
+    os.kill(first.pid, signal.SIGTERM)
+    assert first.wait(10) == 0
+    health = s.gateway.health()["worker"]
+    assert health["state"] == "absent" and health["requests_waiting_for_a_worker"] == 1
+    s.start_worker()
+    reader.join(60)
+    assert reader.failure is None and reader.errors == [] and reader.done
+    assert reader.text == expected
+    assert "handing 1 unfinished requests back" in (s.tmp_path / "worker0.log").read_text()
+
+
+def test_supervised_worker_is_restarted_after_kill_9(tiny_model, tmp_path, expected):
+    server = Server(["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME,
+                     "--heartbeat-s", "0.1"], tmp_path / "serve.log")
+    try:
+        server.wait_ready()
+        reader = StreamReader(server.url)
+        reader.start()
+        reader.wait_for_pieces(20)
+        os.kill(server.health()["worker"]["pid"], signal.SIGKILL)
+        reader.join(60)
+        assert reader.failure is None and reader.errors == [] and reader.done
+        assert reader.text == expected
+        health = server.health()
+        assert health["supervisor"]["restarts"] == 1
+        assert health["supervisor"]["last_exit_status"] == -signal.SIGKILL
+        assert health["worker"]["ready"]
+    finally:
+        server.stop()
+
+
+def test_frozen_worker_is_not_ready_then_recovers(split, expected):
+    s = split("--worker-timeout-s", "1", "--worker-wait-s", "1.5", "--hung-worker-s", "60")
+    worker = s.start_worker()
+    s.gateway.wait_ready()
+    reader = StreamReader(s.gateway.url)
+    reader.start()
+    reader.wait_for_pieces(20)
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        waited = wait_for(lambda: s.gateway.http.get("/ready").status_code == 503, 5, "/ready to say 503")
+        assert waited < 1 + 1.0
+        started = time.monotonic()
+        response = s.gateway.http.post(
+            "/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2, "temperature": 0}
+        )
+        assert response.status_code == 503
+        assert response.headers["retry-after"]
+        assert 1.4 < time.monotonic() - started < 4
+        assert s.gateway.health()["worker"]["state"] == "unresponsive"
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+    wait_for(lambda: s.gateway.http.get("/ready").status_code == 200, 5, "/ready to say 200 again")
+    reader.join(60)
+    assert reader.failure is None and reader.errors == [] and reader.done
+    assert reader.text == expected
+    assert s.gateway.health()["worker"]["requests_resumed"] == 0  # nothing was lost
+
+
+def test_second_worker_loss_fails_cleanly(split):
+    s = split("--worker-timeout-s", "0.5", "--hung-worker-s", "1", "--worker-wait-s", "30")
+    first = s.start_worker()
+    s.gateway.wait_ready()
+    streaming = StreamReader(s.gateway.url, max_tokens=1500)
+    streaming.start()
+    blocking: dict = {}
+
+    def post() -> None:
+        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+        blocking["response"] = httpx.post(s.gateway.url + "/v1/completions", json=body, timeout=120)
+
+    poster = threading.Thread(target=post)
+    poster.start()
+    streaming.wait_for_pieces(10)
+    wait_for(lambda: s.gateway.health()["worker"]["running"] == 2, 10, "both requests running")
+    os.kill(first.pid, signal.SIGKILL)
+    second = s.start_worker()
+    wait_for(lambda: s.gateway.health()["worker"]["requests_resumed"] == 2, 30, "both requests resumed")
+    resumed_at = len(streaming.pieces)
+    streaming.wait_for_pieces(resumed_at + 5)
+    os.kill(second.pid, signal.SIGKILL)
+    streaming.join(30)
+    poster.join(30)
+
+    assert streaming.failure is None and streaming.done
+    assert len(streaming.errors) == 1
+    assert set(streaming.errors[0]) == {"message", "type", "param", "code"}
+    response = blocking["response"]
+    assert response.status_code == 503
+    assert response.headers["retry-after"]
+    assert "lost twice" in response.json()["error"]["message"]
+    assert s.gateway.health()["worker"]["requests_failed_by_loss"] == 2
+
+
+def test_gateway_sigterm_ends_open_streams_within_drain(split):
+    s = split("--drain-s", "1")
+    s.start_worker()
+    s.gateway.wait_ready()
+    reader = StreamReader(s.gateway.url, max_tokens=2000)
+    reader.start()
+    reader.wait_for_pieces(10)
+    started = time.monotonic()
+    os.kill(s.gateway.proc.pid, signal.SIGTERM)
+    s.gateway.proc.wait(10)
+    took = time.monotonic() - started
+    reader.join(10)
+    assert took < 1 + 2.5, took
+    assert reader.failure is None and reader.done  # ended cleanly: an error event, then [DONE]
+    assert [e["message"] for e in reader.errors] == ["the server is shutting down"]
+    assert 0 < len(reader.pieces)
