@@ -5,6 +5,7 @@
   mlxd worker [--model M] ...       the MLX half (as launchd runs it)
   mlxd import-gguf FILE OUT_DIR     write an mlx-lm model directory for a llama GGUF
   mlxd prepare-model [--model M]    download/import a model into the cache
+  mlxd launchd install|uninstall|status|restart-worker   run as launchd jobs on a Mac
 
 --model takes an mlx-lm directory, a .gguf file or a Hugging Face repo id; with
 none, mlxd serves the embedded SmolLM2-135M-Instruct. Each command has --help.
@@ -126,5 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         return gateway_main(rest)
     if command == "serve":
         return serve_main(rest)
+    if command == "launchd":
+        from gateway.launchd import main as launchd_main
+
+        return launchd_main(rest)
     print(USAGE.strip(), file=sys.stderr if command not in ("-h", "--help") else sys.stdout)
     return 0 if command in ("-h", "--help") else 2

@@ -67,6 +67,7 @@ class RequestStream:
         # can continue on the next one from exactly where they were.
         self.generated: list[int] = []
         self.worker_losses = 0
+        self.tokenizer_digest = tokenizer.digest  # a request resumes only on the same model
         self.finished = False
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self._detokenizer = IncrementalDetokenizer(tokenizer)

@@ -296,9 +296,16 @@ class WorkerLink:
         resumed = 0
         for request_id in list(self._resume_by):
             del self._resume_by[request_id]
-            if (stream := self.requests.get(request_id)) is not None:
-                self._send(w.identity, stream.add_request())
-                resumed += 1
+            stream = self.requests.get(request_id)
+            if stream is None:
+                continue
+            if stream.tokenizer_digest != w.tokenizer.digest:
+                del self.requests[request_id]
+                self.stats.requests_failed_by_loss += 1
+                stream.queue.put_nowait(stream.fail("the worker came back with another model", 503))
+                continue
+            self._send(w.identity, stream.add_request())
+            resumed += 1
         if resumed:
             self.stats.requests_resumed += resumed
             log.info("resumed %d requests on worker pid %d", resumed, w.hello.pid)

@@ -90,18 +90,32 @@ def resolve(
         raise ValueError(message) from None
 
 
+def explicit_values(settings: msgspec.Struct) -> list[tuple[str, Any]]:
+    """(field, value) for every setting that is not at its default."""
+    return [
+        (f.name, getattr(settings, f.name))
+        for f in mi.type_info(type(settings)).fields
+        if getattr(settings, f.name) != f.default and getattr(settings, f.name) is not None
+    ]
+
+
 def to_arguments(settings: msgspec.Struct) -> list[str]:
     """The flags that reproduce `settings` in another process's `resolve`."""
     argv: list[str] = []
-    for f in mi.type_info(type(settings)).fields:
-        value = getattr(settings, f.name)
-        if value is None:
-            continue
+    for name, value in explicit_values(settings):
         if isinstance(value, bool):
-            argv.append(flag_name(f.name) if value else "--no-" + flag_name(f.name)[2:])
+            argv.append(flag_name(name) if value else "--no-" + flag_name(name)[2:])
         elif isinstance(value, list):
             for item in value:
-                argv += [flag_name(f.name), str(item)]
+                argv += [flag_name(name), str(item)]
         else:
-            argv += [flag_name(f.name), str(value)]
+            argv += [flag_name(name), str(value)]
     return argv
+
+
+def to_environment(settings: msgspec.Struct) -> dict[str, str]:
+    """The MLXD_* variables that reproduce `settings` in another process's `resolve`."""
+    return {
+        env_name(name): ",".join(map(str, value)) if isinstance(value, list) else str(value)
+        for name, value in explicit_values(settings)
+    }
