@@ -41,6 +41,8 @@ test: install model
 
 bench: install model
 	$(PY) -m tests.bench.serve_speed
+	$(PY) -m tests.bench.restart --signal KILL
+	$(PY) -m tests.bench.restart --signal TERM
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
