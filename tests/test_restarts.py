@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -283,3 +285,44 @@ def test_gateway_sigterm_ends_open_streams_within_drain(split):
     assert reader.failure is None and reader.done  # ended cleanly: an error event, then [DONE]
     assert [e["message"] for e in reader.errors] == ["the server is shutting down"]
     assert 0 < len(reader.pieces)
+
+
+PTRACE_SEIZE, PTRACE_INTERRUPT, WALL = 0x4206, 0x4207, 0x40000000
+
+
+def freeze_main_thread(pid: int) -> None:
+    """Stop only the worker's main thread (its thread id is its pid), the way a
+    hang inside one MLX call would: PTRACE_INTERRUPT stops one thread and
+    leaves the others, the heartbeat thread among them, running."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    for request in (PTRACE_SEIZE, PTRACE_INTERRUPT):
+        if libc.ptrace(request, pid, None, None) != 0:
+            pytest.skip(f"ptrace not permitted here (errno {ctypes.get_errno()})")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PTRACE_INTERRUPT is Linux's")
+def test_hung_worker_is_detected_killed_and_replaced(tiny_model, tmp_path, expected):
+    server = Server(["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME,
+                     "--heartbeat-s", "0.1", "--hung-worker-s", "1.5"], tmp_path / "serve.log")
+    try:
+        server.wait_ready()
+        reader = StreamReader(server.url)
+        reader.start()
+        reader.wait_for_pieces(20)
+        pid = server.health()["worker"]["pid"]
+        freeze_main_thread(pid)
+        # Heartbeats keep coming, the step counter does not move: hung.
+        wait_for(lambda: server.health()["worker"]["state"] == "hung", 5, "the worker to be called hung")
+        assert server.health()["worker"]["last_heartbeat_s"] < 1
+        assert server.http.get("/ready").status_code == 503
+        # The supervisor kills it; as its tracer, the test must reap that
+        # death before the supervisor can see it.
+        wait_for(lambda: os.waitpid(pid, WALL | os.WNOHANG)[0] == pid, 10, "the hung worker to be killed")
+        reader.join(60)
+        assert reader.failure is None and reader.errors == [] and reader.done
+        assert reader.text == expected
+        assert server.health()["supervisor"]["last_exit_status"] == -signal.SIGKILL
+        assert "is hung" in server.log_path.read_text()
+    finally:
+        server.stop()
