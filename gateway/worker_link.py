@@ -127,6 +127,10 @@ class WorkerLink:
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # A ROUTER silently drops what exceeds its high-water mark; nothing
+        # here may be dropped, so there is none.
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
         self._detokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxd-detok")
         self._tasks: list[asyncio.Task] = []
 

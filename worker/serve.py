@@ -66,6 +66,10 @@ class Worker:
         # Never queue messages for a gateway that is not there yet: a Hello
         # sent into the void would arrive stale.
         self.socket.setsockopt(zmq.IMMEDIATE, 1)
+        # No high-water mark: at the default one ZeroMQ would drop step
+        # outputs (tokens) while the gateway is slow to read them.
+        self.socket.setsockopt(zmq.SNDHWM, 0)
+        self.socket.setsockopt(zmq.RCVHWM, 0)
         self.socket.setsockopt(zmq.LINGER, 1000)
         self.socket.connect(settings.worker_endpoint)
 
