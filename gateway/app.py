@@ -5,16 +5,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.errors import APIError, api_error_handler, http_error_handler, internal_error_handler
 from gateway.openai_api import OpenAIAPI
+from gateway.security import Guard, KeyRing, check_bind_policy
 from gateway.settings import GatewaySettings
 from gateway.supervisor import WorkerSupervisor
 from gateway.worker_link import WorkerLink
@@ -29,17 +33,25 @@ def _json(body: dict, status: int = 200, headers: dict | None = None) -> Respons
 
 def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None = None) -> Starlette:
     """The gateway. With worker_settings (`mlxd serve`), it also supervises a worker of its own."""
+    keys = KeyRing(settings.api_key, settings.api_key_file)
+    check_bind_policy(settings, keys.enabled)
     link = WorkerLink(
         settings.worker_endpoint,
         worker_timeout_s=settings.worker_timeout_s,
         hung_worker_s=settings.hung_worker_s,
         worker_wait_s=settings.worker_wait_s,
+        curve_secret_key=settings.curve_secret_key,
+        curve_authorized_keys=settings.curve_authorized_keys,
     )
     supervisor = WorkerSupervisor(worker_settings, link, settings.drain_s + 5) if worker_settings else None
     api = OpenAIAPI(link, settings)
 
-    async def health(_request: Request) -> Response:
-        body: dict = {"status": "draining" if api.draining else "ok", "worker": link.status()}
+    async def health(request: Request) -> Response:
+        status = "draining" if api.draining else "ok"
+        if not request.scope["state"]["authenticated"]:
+            # Open to all, so that probes need no key; details only with one.
+            return _json({"status": status, "worker": {"ready": link.ready}})
+        body: dict = {"status": status, "worker": link.status()}
         if supervisor is not None:
             body["supervisor"] = supervisor.status()
         return _json(body)
@@ -55,12 +67,20 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
         if supervisor is not None:
             await supervisor.start()
         app.state.loop = asyncio.get_running_loop()
+        if settings.api_key_file:
+            app.state.loop.add_signal_handler(signal.SIGHUP, reload_keys)
         try:
             yield
         finally:
             if supervisor is not None:
                 await supervisor.stop()
             await link.close()
+
+    def reload_keys() -> None:
+        try:
+            keys.reload()
+        except OSError as e:
+            log.error("SIGHUP: could not re-read %s (%s); keeping the keys loaded before", settings.api_key_file, e)
 
     def begin_drain() -> None:
         """On SIGTERM/SIGINT (from the signal handler): refuse new requests; let
@@ -83,6 +103,13 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
             HTTPException: http_error_handler,
             Exception: internal_error_handler,
         },
+        middleware=[
+            # Outermost first: CORS answers browser preflights before any key check.
+            *([Middleware(CORSMiddleware, allow_origins=settings.cors_origin, allow_methods=["GET", "POST"],
+                          allow_headers=["Authorization", "Content-Type", "x-api-key"])]
+              if settings.cors_origin else []),
+            Middleware(Guard, settings=settings, keys=keys),
+        ],
         lifespan=lifespan,
     )
     app.state.link = link

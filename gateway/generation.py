@@ -112,9 +112,14 @@ class RequestStream:
         self._rendered_final = True
         return Delta("", "error", error=message, error_status=status)
 
-    async def deltas(self):
-        """Every Delta until the final one (which is yielded too)."""
+    async def deltas(self, deadline: float | None = None):
+        """Every Delta until the final one (which is yielded too).
+
+        Raises TimeoutError at `deadline` (event-loop time) if not finished.
+        """
+        loop = asyncio.get_running_loop()
         while not self.finished:
-            delta = await self.queue.get()
+            timeout = None if deadline is None else max(deadline - loop.time(), 0)
+            delta = await asyncio.wait_for(self.queue.get(), timeout)
             self.finished = delta.finish_reason is not None
             yield delta

@@ -9,7 +9,9 @@ early for any reason (disconnect, error) aborts the request in the worker.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections import Counter
 import uuid
 from collections.abc import AsyncIterator
 
@@ -41,6 +43,7 @@ from gateway.tokenizer import PromptError
 from gateway.worker_link import WorkerLink, WorkerState, WorkerUnavailable
 from protocol import Sampling
 
+log = logging.getLogger("mlxd.gateway.api")
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
 
@@ -55,6 +58,7 @@ class OpenAIAPI:
         self.settings = settings
         self.started = int(time.time())
         self.draining = False  # set on SIGTERM: no new requests
+        self.admission = Admission(settings.max_inflight, settings.max_inflight_per_key)
 
     # ---- shared steps -------------------------------------------------------
 
@@ -93,6 +97,31 @@ class OpenAIAPI:
         except PromptError as e:
             raise APIError(400, str(e), param="messages") from None
 
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, within --max-body-bytes (413) and --body-timeout-s (408)."""
+        limit = self.settings.max_body_bytes
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        chunks: list[bytes] = []
+        size = 0
+
+        async def read() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), self.settings.body_timeout_s)
+        except TimeoutError:
+            raise APIError(
+                408, f"the request body did not arrive within {self.settings.body_timeout_s:g}s", code="timeout"
+            ) from None
+        return b"".join(chunks)
+
     # ---- endpoints ----------------------------------------------------------
 
     async def models(self, _request: Request) -> Response:
@@ -101,7 +130,7 @@ class OpenAIAPI:
         return Response(_json.encode(body), media_type="application/json")
 
     async def chat_completions(self, request: Request) -> Response:
-        body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionRequest)
+        body: ChatCompletionRequest = decode_body(await self._read_body(request), ChatCompletionRequest)
         self._check_common(body)
         for i, m in enumerate(body.messages):
             if m.role != "assistant" and m.content is None:
@@ -125,7 +154,7 @@ class OpenAIAPI:
         return await self._generate(request, body, prompt, max_tokens, worker, output, "messages")
 
     async def completions(self, request: Request) -> Response:
-        body: CompletionRequest = decode_body(await request.body(), CompletionRequest)
+        body: CompletionRequest = decode_body(await self._read_body(request), CompletionRequest)
         self._check_common(body)
         prompt_in = body.prompt
         if isinstance(prompt_in, list) and len(prompt_in) == 1 and isinstance(prompt_in[0], str):
@@ -158,7 +187,12 @@ class OpenAIAPI:
                 param=prompt_param,
                 code="context_length_exceeded",
             )
-        room = context - len(prompt)
+        limit = self.settings.max_tokens_limit
+        if limit is not None and max_tokens is not None and max_tokens > limit:
+            raise APIError(
+                400, f"max_tokens is {max_tokens}; this server allows at most {limit}", param="max_tokens"
+            )
+        room = min(context - len(prompt), limit or context)
         sampling = Sampling(
             max_tokens=min(max_tokens or room, room),
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -169,54 +203,133 @@ class OpenAIAPI:
             ignore_eos=body.ignore_eos,
         )
         stream = RequestStream(output.id, prompt, sampling, worker.tokenizer, body.stop_strings())
+        release = self.admission.admit(request.scope["state"]["client_id"])
         try:
             self.link.submit(stream)
         except WorkerUnavailable as e:
+            release()
             raise _unavailable(str(e)) from None
+        if self.settings.log_prompts:
+            log.info("%s prompt: %r", output.id, worker.tokenizer.decode(prompt))
+        timeout = self.settings.request_timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout if timeout else None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
-                self._stream_events(stream, output, include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        return await self._complete(request, stream, output)
 
-    async def _stream_events(self, stream: RequestStream, output, include_usage: bool) -> AsyncIterator[bytes]:
+            def close() -> None:
+                release()
+                if not stream.finished:
+                    self.link.abort(stream.request_id)
+
+            return EventStream(self._stream_events(stream, output, include_usage, deadline), close)
+        try:
+            return await self._complete(request, stream, output, deadline)
+        finally:
+            release()
+
+    async def _stream_events(self, stream: RequestStream, output, include_usage, deadline) -> AsyncIterator[bytes]:
+        sent = []
         try:
             if (first := output.first_chunk()) is not None:
                 yield sse(first)
-            async for delta in stream.deltas():
-                if delta.error is not None:
-                    yield sse(error_body(delta.error, "server_error"))
-                    break
-                if delta.text:
-                    yield sse(output.chunk(delta.text, None))
-                if delta.finish_reason is not None:
-                    yield sse(output.chunk(None, delta.finish_reason))
+            try:
+                async for delta in stream.deltas(deadline):
+                    if delta.error is not None:
+                        yield sse(error_body(delta.error, "server_error"))
+                        break
+                    if delta.text:
+                        yield sse(output.chunk(delta.text, None))
+                        if self.settings.log_prompts:
+                            sent.append(delta.text)
+                    if delta.finish_reason is not None:
+                        yield sse(output.chunk(None, delta.finish_reason))
+            except TimeoutError:
+                yield sse(error_body(_timed_out(self.settings.request_timeout_s), "timeout", code="timeout"))
             if include_usage:
                 yield sse(output.usage_chunk(_usage(stream)))
             yield DONE
         finally:
-            if not stream.finished:
-                self.link.abort(stream.request_id)
+            if self.settings.log_prompts:
+                log.info("%s completion: %r", stream.request_id, "".join(sent))
 
-    async def _complete(self, request: Request, stream: RequestStream, output) -> Response:
-        collecting = asyncio.ensure_future(_collect(stream))
+    async def _complete(self, request: Request, stream: RequestStream, output, deadline) -> Response:
+        collecting = asyncio.ensure_future(_collect(stream, deadline))
         disconnected = asyncio.ensure_future(_client_gone(request))
         try:
             await asyncio.wait({collecting, disconnected}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             disconnected.cancel()
-            if not collecting.done():
-                collecting.cancel()
+            collecting.cancel()
+            if not stream.finished:
                 self.link.abort(stream.request_id)
-        if not collecting.done():
+        if not collecting.done() or collecting.cancelled():
             return Response(status_code=499)  # nobody is listening
+        if isinstance(collecting.exception(), TimeoutError):
+            raise APIError(504, _timed_out(self.settings.request_timeout_s), type="timeout", code="timeout")
         text, finish_reason = collecting.result()
+        if self.settings.log_prompts:
+            log.info("%s completion: %r", stream.request_id, text)
         return Response(
             _json.encode(output.response(text, finish_reason, _usage(stream))), media_type="application/json"
         )
+
+
+class EventStream(StreamingResponse):
+    """SSE whose `close` runs however the response ends, even when the client
+    leaves before the first event (when the body iterator never started, and
+    so never ran its own cleanup)."""
+
+    def __init__(self, events: AsyncIterator[bytes], close) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._close = close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._close()
+
+
+class Admission:
+    """Requests in flight, in total and per client (API key, or address without keys).
+
+    Decided before any 200 is sent: over a limit is a status code, never an
+    error inside a started response.
+    """
+
+    def __init__(self, total: int, per_client: int) -> None:
+        self.limit_total = total
+        self.limit_per_client = per_client
+        self.total = 0
+        self.by_client: Counter[str] = Counter()
+
+    def admit(self, client_id: str):
+        """Count the request in; return the function that counts it out (once)."""
+        if self.by_client[client_id] >= self.limit_per_client:
+            raise APIError(
+                429, f"too many requests in flight for this client (limit {self.limit_per_client})",
+                type="requests", code="rate_limit_exceeded", headers={"Retry-After": "1"},
+            )
+        if self.total >= self.limit_total:
+            raise APIError(
+                503, f"the server is at its limit of {self.limit_total} requests in flight",
+                type="service_unavailable", code="overloaded", headers={"Retry-After": "1"},
+            )
+        self.total += 1
+        self.by_client[client_id] += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.total -= 1
+                self.by_client[client_id] -= 1
+                if not self.by_client[client_id]:
+                    del self.by_client[client_id]
+
+        return release
 
 
 class _Output:
@@ -269,9 +382,13 @@ def _unavailable(message: str) -> APIError:
     return APIError(503, message, type="service_unavailable", code="worker_unavailable", headers={"Retry-After": "5"})
 
 
-async def _collect(stream: RequestStream) -> tuple[str, str]:
+def _timed_out(timeout_s: float) -> str:
+    return f"the request ran longer than the server's limit of {timeout_s:g}s and was stopped"
+
+
+async def _collect(stream: RequestStream, deadline: float | None) -> tuple[str, str]:
     parts = []
-    async for delta in stream.deltas():
+    async for delta in stream.deltas(deadline):
         if delta.error is not None:
             if delta.error_status == 503:
                 raise _unavailable(delta.error)

@@ -35,3 +35,37 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
         float, Meta(ge=0, description="on SIGTERM, how long open streams may finish before they are ended")
     ] = 10.0
     log_level: Annotated[str, Meta(description="debug, info, warning or error")] = "info"
+    # ---- security (docs/security.md) ----
+    api_key: Annotated[
+        list[str],
+        Meta(description="an API key clients must send (Bearer or x-api-key)", extra={"env": "MLXD_API_KEYS"}),
+    ] = []
+    api_key_file: Annotated[
+        str | None, Meta(description="a file of API keys, one per line; re-read on SIGHUP")
+    ] = None
+    insecure_no_auth: Annotated[
+        bool, Meta(description="allow listening beyond loopback without API keys (dangerous)")
+    ] = False
+    allowed_host: Annotated[
+        list[str], Meta(description="a Host name to accept besides localhost (DNS-rebinding guard)")
+    ] = []
+    cors_origin: Annotated[list[str], Meta(description="a browser origin allowed by CORS (default: none)")] = []
+    max_body_bytes: Annotated[int, Meta(ge=1, description="largest request body accepted (413 beyond)")] = 8 << 20
+    body_timeout_s: Annotated[float, Meta(gt=0, description="time a client has to send its body (408 beyond)")] = 30.0
+    request_timeout_s: Annotated[
+        float, Meta(ge=0, description="longest a generation may run before it is aborted; 0: no limit")
+    ] = 600.0
+    max_tokens_limit: Annotated[
+        int | None, Meta(description="largest max_tokens a request may ask for (400 beyond)")
+    ] = None
+    max_inflight: Annotated[int, Meta(ge=1, description="requests in flight in total (503 beyond)")] = 256
+    max_inflight_per_key: Annotated[
+        int, Meta(ge=1, description="requests in flight per API key, or per client address without keys (429 beyond)")
+    ] = 64
+    log_prompts: Annotated[bool, Meta(description="log prompts and completions (never logged otherwise)")] = False
+    curve_secret_key: Annotated[
+        str | None, Meta(description="the gateway's CURVE secret key file (`mlxd keys generate`); needed for tcp://")
+    ] = None
+    curve_authorized_keys: Annotated[
+        str | None, Meta(description="a directory of the public key files of the workers allowed to connect")
+    ] = None

@@ -34,6 +34,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
+from gateway.curve import secure_server
 from gateway.generation import Delta, RequestStream
 from gateway.tokenizer import Tokenizer, files_digest
 from protocol import (
@@ -110,9 +111,13 @@ class WorkerLink:
         worker_timeout_s: float,
         hung_worker_s: float,
         worker_wait_s: float,
+        curve_secret_key: str | None = None,
+        curve_authorized_keys: str | None = None,
         on_unhealthy: Callable[[int], None] | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self._curve = (curve_secret_key, curve_authorized_keys)
+        self._authenticator = None
         self.worker_timeout_s = worker_timeout_s
         self.hung_worker_s = hung_worker_s
         self.worker_wait_s = worker_wait_s
@@ -137,6 +142,8 @@ class WorkerLink:
     async def start(self) -> None:
         if self.endpoint.startswith("ipc://"):
             ensure_private_dir(Path(self.endpoint[len("ipc://") :]).parent)
+        elif self.endpoint.startswith("tcp://"):
+            self._authenticator = secure_server(self._context, self._socket, *self._curve)
         self._socket.bind(self.endpoint)
         self._tasks = [
             asyncio.create_task(self._receive_loop(), name="mlxd-link-receive"),
@@ -149,6 +156,8 @@ class WorkerLink:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.end_all("the gateway is shutting down")
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._socket.close()
         self._context.term()
         self._detokenizer.shutdown(wait=False)

@@ -30,7 +30,12 @@ def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def env_name(field: str) -> str:
+def env_name(field: str, settings_type: type[msgspec.Struct]) -> str:
+    """MLXD_<FIELD>, unless the field's Meta(extra={"env": ...}) names another
+    (a repeatable --api-key is read from MLXD_API_KEYS)."""
+    for f in mi.type_info(settings_type).fields:
+        if f.name == field and isinstance(f.type, mi.Metadata) and f.type.extra:
+            return f.type.extra.get("env", "MLXD_" + field.upper())
     return "MLXD_" + field.upper()
 
 
@@ -43,7 +48,7 @@ def add_arguments(
             continue
         t, description = _unwrap(f.type)
         default = "" if f.default is mi.NODEFAULT else f" (default: {f.default!r})"
-        help_text = f"{description} [env {env_name(f.name)}]{default}"
+        help_text = f"{description} [env {env_name(f.name, settings_type)}]{default}"
         if isinstance(t, mi.BoolType):
             parser.add_argument(
                 flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
@@ -70,8 +75,9 @@ def resolve(
     raw: dict[str, Any] = {}
     for f in mi.type_info(settings_type).fields:
         value = getattr(args, f.name, None)
-        if value is None and env_name(f.name) in environ:
-            value = environ[env_name(f.name)]
+        variable = env_name(f.name, settings_type)
+        if value is None and variable in environ:
+            value = environ[variable]
             if isinstance(_unwrap(f.type)[0], mi.ListType):
                 value = [v.strip() for v in value.split(",") if v.strip()]
         if value is not None:
@@ -83,10 +89,10 @@ def resolve(
         missing = re.match(r"Object missing required field `(\w+)`", message)
         if missing:
             field = missing.group(1)
-            raise ValueError(f"{flag_name(field)} (or {env_name(field)}) is required") from None
+            raise ValueError(f"{flag_name(field)} (or {env_name(field, settings_type)}) is required") from None
         field = message.rpartition("$.")[2].split("[")[0]
         if field in raw:
-            message = f"{flag_name(field)} / {env_name(field)}: {message}"
+            message = f"{flag_name(field)} / {env_name(field, settings_type)}: {message}"
         raise ValueError(message) from None
 
 
@@ -116,6 +122,6 @@ def to_arguments(settings: msgspec.Struct) -> list[str]:
 def to_environment(settings: msgspec.Struct) -> dict[str, str]:
     """The MLXD_* variables that reproduce `settings` in another process's `resolve`."""
     return {
-        env_name(name): ",".join(map(str, value)) if isinstance(value, list) else str(value)
+        env_name(name, type(settings)): ",".join(map(str, value)) if isinstance(value, list) else str(value)
         for name, value in explicit_values(settings)
     }

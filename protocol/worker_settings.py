@@ -44,4 +44,10 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     parent_pid: Annotated[
         int | None, Meta(description="stop when this process is gone (`mlxd serve` sets it to itself)")
     ] = None
+    curve_secret_key: Annotated[
+        str | None, Meta(description="the worker's CURVE secret key file (`mlxd keys generate`); needed for tcp://")
+    ] = None
+    curve_server_key: Annotated[
+        str | None, Meta(description="the gateway's CURVE public key file; needed for tcp://")
+    ] = None
     log_level: Annotated[str, Meta(description="debug, info, warning or error")] = "info"

@@ -18,20 +18,11 @@ from protocol import Heartbeat, encode
 
 
 class HeartbeatThread(threading.Thread):
-    def __init__(
-        self,
-        context: zmq.Context,
-        endpoint: str,
-        epoch: int,
-        interval_s: float,
-        snapshot: Callable[[], Heartbeat],
-    ) -> None:
+    def __init__(self, socket: zmq.Socket, interval_s: float, snapshot: Callable[[], Heartbeat]) -> None:
+        """socket: connected, and used by this thread alone from now on."""
         super().__init__(name="mlxd-heartbeat", daemon=True)
-        self._socket = context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.IDENTITY, f"worker-{epoch}-heartbeat".encode())
-        self._socket.setsockopt(zmq.IMMEDIATE, 1)
+        self._socket = socket
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.connect(endpoint)
         self._interval_s = interval_s
         self._snapshot = snapshot
         self._stopped = threading.Event()

@@ -37,6 +37,7 @@ from protocol import (
 from worker.audit import AffinityAudit
 from worker.engine import Engine, InvalidRequest
 from worker.heartbeat import HeartbeatThread
+from worker.transport import TransportError, connect
 from worker.model import load_model
 from worker.model_source import ModelNotFound
 from protocol.worker_settings import WorkerSettings
@@ -61,17 +62,8 @@ class Worker:
         self.drain_deadline: float | None = None
         self.handed_back: list[str] = []
         self._context = zmq.Context()
-        self.socket = self._context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.IDENTITY, f"worker-{hello.epoch}".encode())
-        # Never queue messages for a gateway that is not there yet: a Hello
-        # sent into the void would arrive stale.
-        self.socket.setsockopt(zmq.IMMEDIATE, 1)
-        # No high-water mark: at the default one ZeroMQ would drop step
-        # outputs (tokens) while the gateway is slow to read them.
-        self.socket.setsockopt(zmq.SNDHWM, 0)
-        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket = connect(self._context, settings, f"worker-{hello.epoch}")
         self.socket.setsockopt(zmq.LINGER, 1000)
-        self.socket.connect(settings.worker_endpoint)
 
     def send(self, message) -> None:
         try:
@@ -147,7 +139,9 @@ class Worker:
 
     def run(self) -> int:
         heartbeat = HeartbeatThread(
-            self._context, self.settings.worker_endpoint, self.hello.epoch, self.settings.heartbeat_s, self.heartbeat
+            connect(self._context, self.settings, f"worker-{self.hello.epoch}-heartbeat"),
+            self.settings.heartbeat_s,
+            self.heartbeat,
         )
         heartbeat.start()
         next_hello = 0.0
@@ -215,7 +209,11 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         eos_token_ids=loaded.eos_token_ids,
         tokenizer_files=loaded.tokenizer_files,
     )
-    worker = Worker(settings, engine, hello, affinity)
+    try:
+        worker = Worker(settings, engine, hello, affinity)
+    except TransportError as e:
+        log.error("%s", e)
+        return 1
 
     def stop(signum, _frame):
         log.info("received %s; draining for up to %gs", signal.Signals(signum).name, settings.drain_s)

@@ -1,0 +1,63 @@
+"""CURVE encryption and worker allowlisting for a tcp:// worker endpoint.
+
+A worker on another Mac connects over TCP; the link is then encrypted, and
+the gateway accepts only workers whose public keys it lists. Keys are made
+with `mlxd keys generate DIR --name NAME` (ZeroMQ certificate files).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.asyncio import AsyncioAuthenticator
+
+log = logging.getLogger("mlxd.gateway.curve")
+
+
+class CurveError(Exception):
+    pass
+
+
+class WorkerAllowlist:
+    """A ZAP credentials provider: allows the listed public keys, logs the rest."""
+
+    def __init__(self, directory: Path) -> None:
+        self.keys = set(zmq.auth.load_certificates(str(directory)))
+        if not self.keys:
+            raise CurveError(f"no public key files (*.key) in {directory}")
+
+    def callback(self, _domain: str, client_key: bytes) -> bool:
+        if client_key in self.keys:
+            return True
+        log.warning("refused a worker: its CURVE public key %s is not authorized", client_key.decode())
+        return False
+
+
+def secure_server(context: zmq.asyncio.Context, socket: zmq.Socket, secret_key: str | None,
+                  authorized: str | None) -> AsyncioAuthenticator:
+    """Make `socket` a CURVE server that admits only authorized workers."""
+    if not secret_key or not authorized:
+        raise CurveError(
+            "a tcp:// worker endpoint must be encrypted: give the gateway --curve-secret-key FILE and "
+            "--curve-authorized-keys DIR (make keys with `mlxd keys generate DIR --name NAME`)"
+        )
+    public, secret = zmq.auth.load_certificate(secret_key)
+    if secret is None:
+        raise CurveError(f"{secret_key} holds no secret key (use the .key_secret file)")
+    authenticator = AsyncioAuthenticator(context)
+    authenticator.start()
+    authenticator.configure_curve_callback("*", credentials_provider=WorkerAllowlist(Path(authorized)))
+    socket.curve_secretkey = secret
+    socket.curve_publickey = public
+    socket.curve_server = True
+    return authenticator
+
+
+def generate(directory: Path, name: str) -> tuple[Path, Path]:
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    public, secret = zmq.auth.create_certificates(str(directory), name)
+    Path(secret).chmod(0o600)
+    return Path(public), Path(secret)

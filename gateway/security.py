@@ -1,0 +1,143 @@
+"""Who may talk to the gateway: API keys, the bind policy, the DNS-rebinding guard.
+
+See docs/security.md for how an operator puts these together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+from pathlib import Path
+
+import msgspec
+
+from gateway.errors import error_body
+from gateway.settings import GatewaySettings
+
+log = logging.getLogger("mlxd.gateway.security")
+
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "[::1]", "::1"}
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind_policy(settings: GatewaySettings, has_keys: bool) -> None:
+    """Refuse to listen beyond loopback with no API key, unless told to."""
+    if is_loopback(settings.host) or has_keys:
+        return
+    if not settings.insecure_no_auth:
+        raise SystemExit(
+            f"mlxd: refusing to listen on {settings.host} without an API key: anyone who can reach "
+            "this address could use the model. Add one with --api-key KEY (or MLXD_API_KEYS, or "
+            "--api-key-file FILE), or, on a network you trust completely, pass --insecure-no-auth."
+        )
+    log.warning(
+        "!!! listening on %s with NO API KEY (--insecure-no-auth): anyone who can reach this "
+        "address can use the model !!!", settings.host,
+    )
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class KeyRing:
+    """The accepted API keys: from --api-key/MLXD_API_KEYS and --api-key-file (re-read on SIGHUP)."""
+
+    def __init__(self, keys: list[str], key_file: str | None) -> None:
+        self._static = [k for k in keys if k]
+        self._file = Path(key_file) if key_file else None
+        self._digests: list[bytes] = []
+        self.reload()
+
+    def reload(self) -> None:
+        keys = list(self._static)
+        if self._file is not None:
+            lines = self._file.read_text().splitlines()
+            keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        self._digests = [_digest(k) for k in keys]
+        log.info("%d API keys loaded", len(self._digests))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def identify(self, key: str | None) -> str | None:
+        """A stable, non-secret id of an accepted key; None if it is not one.
+
+        Compares the key's digest with every accepted one, in constant time.
+        """
+        if not key:
+            return None
+        candidate = _digest(key)
+        found = b""
+        for digest in self._digests:
+            if hmac.compare_digest(digest, candidate):
+                found = digest
+        return found.hex()[:12] if found else None
+
+
+def presented_key(headers: dict[bytes, bytes]) -> str | None:
+    if value := headers.get(b"x-api-key"):
+        return value.decode("latin-1").strip()
+    scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+class Guard:
+    """ASGI middleware: the DNS-rebinding guard and API-key checks.
+
+    Sets scope["state"]["client_id"]: the key's id, or (without keys) the
+    client's address, for per-client limits; and ["authenticated"].
+    """
+
+    def __init__(self, app, settings: GatewaySettings, keys: KeyRing) -> None:
+        self.app = app
+        self.keys = keys
+        self.loopback = is_loopback(settings.host)
+        self.allowed_hosts = LOOPBACK_NAMES | {h.lower() for h in settings.allowed_host}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.loopback and not self.keys.enabled and not self._host_allowed(headers.get(b"host", b"")):
+            # A web page on another name that resolves to 127.0.0.1 must not
+            # reach an unauthenticated local server.
+            return await _reject(send, 403, "this Host is not allowed; add it with --allowed-host", "host_not_allowed")
+        key_id = self.keys.identify(presented_key(headers)) if self.keys.enabled else None
+        if self.keys.enabled and key_id is None and scope["path"].startswith("/v1/"):
+            return await _reject(
+                send, 401, "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)",
+                "invalid_api_key",
+            )
+        state = scope.setdefault("state", {})
+        state["authenticated"] = key_id is not None or not self.keys.enabled
+        state["client_id"] = key_id or (scope.get("client") or ("?",))[0]
+        return await self.app(scope, receive, send)
+
+    def _host_allowed(self, host: bytes) -> bool:
+        name = host.decode("latin-1").lower()
+        if name.startswith("["):
+            name = name[: name.find("]") + 1]
+        else:
+            name = name.rsplit(":", 1)[0]
+        return name in self.allowed_hosts
+
+
+async def _reject(send, status: int, message: str, code: str) -> None:
+    body = msgspec.json.encode(error_body(message, "invalid_request_error", None, code))
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
