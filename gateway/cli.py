@@ -6,6 +6,7 @@
   mlxd import-gguf FILE OUT_DIR     write an mlx-lm model directory for a llama GGUF
   mlxd prepare-model [--model M]    download/import a model into the cache
   mlxd launchd install|uninstall|status|restart-worker   run as launchd jobs on a Mac
+  mlxd keys generate DIR --name N   a CURVE key pair, for a worker on another Mac (tcp://)
 
 --model takes an mlx-lm directory, a .gguf file or a Hugging Face repo id; with
 none, mlxd serves the embedded SmolLM2-135M-Instruct. Each command has --help.
@@ -20,6 +21,7 @@ import shutil
 import signal
 import sys
 import tempfile
+from pathlib import Path
 
 import uvicorn
 
@@ -116,6 +118,25 @@ def serve_main(argv: list[str]) -> int:
         shutil.rmtree(runtime, ignore_errors=True)
 
 
+def keys_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mlxd keys",
+        description="CURVE keys for a tcp:// worker endpoint. Generate one pair for the gateway and one "
+        "per worker; give the gateway --curve-secret-key gateway.key_secret and --curve-authorized-keys "
+        "DIR holding the workers' .key files; give each worker its .key_secret and the gateway's .key.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate_parser = commands.add_parser("generate", help="write NAME.key (public) and NAME.key_secret (0600)")
+    generate_parser.add_argument("directory", type=Path)
+    generate_parser.add_argument("--name", required=True, help="e.g. gateway, or the worker's host name")
+    args = parser.parse_args(argv)
+    from gateway.curve import generate
+
+    public, secret = generate(args.directory, args.name)
+    print(f"public key: {public}\nsecret key: {secret} (keep it private)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command, rest = (argv[0], argv[1:]) if argv else ("", [])
@@ -127,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         return gateway_main(rest)
     if command == "serve":
         return serve_main(rest)
+    if command == "keys":
+        return keys_main(rest)
     if command == "launchd":
         from gateway.launchd import main as launchd_main
 

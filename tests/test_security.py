@@ -1,0 +1,293 @@
+"""Safe on a LAN: keys, bind policy, Host guard, CORS, limits, transport, logs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, free_port, stop_process
+from tests.test_restarts import StreamReader, wait_for
+
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+SECRET_PROMPT = "the-secret-prompt-text-zebra"
+
+
+def serve(tiny_model, tmp_path, *args: str, env: dict | None = None, name: str = "serve") -> Server:
+    server = Server(["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME, *args],
+                    tmp_path / f"{name}.log", env=env)
+    server.wait_ready()
+    return server
+
+
+def assert_error(response, status: int, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if code:
+        assert error["code"] == code
+    return error
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("keyed")
+    key_file = tmp / "keys.txt"
+    key_file.write_text("# one key per line\nfile-key-2\n")
+    server = Server(
+        ["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME, "--api-key", "flag-key-1",
+         "--api-key-file", str(key_file), "--max-inflight-per-key", "1", "--heartbeat-s", "0.05"],
+        tmp / "serve.log",
+        env={"MLXD_API_KEYS": "ignored-because-the-flag-wins"},
+    )
+    wait_for(lambda: _ready_with_key(server), 60, "the keyed server")
+    server.key_file = key_file
+    yield server
+    server.stop()
+
+
+def _ready_with_key(server) -> bool:
+    try:
+        return server.http.get("/health", headers={"x-api-key": "flag-key-1"}).json()["worker"]["ready"]
+    except httpx.TransportError:
+        return False
+
+
+def test_keys_are_required_on_v1(keyed):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"}, {"Authorization": "Basic flag-key-1"}):
+        assert_error(keyed.http.get("/v1/models", headers=headers), 401, "invalid_api_key")
+        assert_error(keyed.http.post("/v1/chat/completions", json=CHAT, headers=headers), 401, "invalid_api_key")
+    assert keyed.http.get("/v1/models", headers={"Authorization": "Bearer flag-key-1"}).status_code == 200
+    response = keyed.http.post("/v1/chat/completions", json=CHAT, headers={"x-api-key": "file-key-2"})
+    assert response.status_code == 200
+    assert keyed.http.get("/v1/models", headers={"x-api-key": "ignored-because-the-flag-wins"}).status_code == 401
+
+
+def test_health_is_open_but_details_need_a_key(keyed):
+    assert keyed.http.get("/health").json() == {"status": "ok", "worker": {"ready": True}}
+    assert keyed.http.get("/ready").status_code == 200
+    detailed = keyed.http.get("/health", headers={"x-api-key": "flag-key-1"}).json()
+    assert detailed["worker"]["pid"] > 0
+
+
+def test_key_file_is_reread_on_sighup(keyed):
+    keyed.key_file.write_text("file-key-3\n")
+    os.kill(keyed.proc.pid, signal.SIGHUP)
+    wait_for(lambda: keyed.http.get("/v1/models", headers={"x-api-key": "file-key-3"}).status_code == 200, 5,
+             "the new key")
+    assert keyed.http.get("/v1/models", headers={"x-api-key": "file-key-2"}).status_code == 401
+    assert keyed.http.get("/v1/models", headers={"x-api-key": "flag-key-1"}).status_code == 200
+
+
+def test_in_flight_per_key_gets_429(keyed):
+    headers = {"x-api-key": "flag-key-1"}
+    body = dict(StreamReader(keyed.url, max_tokens=1500).body)
+    with httpx.stream("POST", keyed.url + "/v1/completions", json=body, headers=headers, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # kept: a dropped iterator would close the stream
+        next(lines)
+        second = keyed.http.post("/v1/completions", json=dict(body, stream=False, max_tokens=2), headers=headers)
+        assert_error(second, 429, "rate_limit_exceeded")
+        assert second.headers["retry-after"]
+        other_key = keyed.http.post("/v1/chat/completions", json=CHAT, headers={"x-api-key": "file-key-3"})
+        assert other_key.status_code == 200
+
+
+def test_non_loopback_bind_without_key_refuses_to_start(tmp_path):
+    result = subprocess.run(
+        [*MLXD, "gateway", "--host", "0.0.0.0", "--port", str(free_port()),
+         "--worker-endpoint", f"ipc://{tmp_path}/w.sock"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode != 0
+    assert "--api-key" in result.stderr and "--insecure-no-auth" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_insecure_no_auth_starts_with_a_loud_warning(tmp_path):
+    server = Server(["gateway", "--host", "0.0.0.0", "--insecure-no-auth",
+                     "--worker-endpoint", f"ipc://{tmp_path}/w.sock"], tmp_path / "gateway.log")
+    try:
+        wait_for(lambda: _answers(server), 30, "the gateway")
+        assert "NO API KEY" in server.log_path.read_text()
+    finally:
+        server.stop()
+
+
+def _answers(server) -> bool:
+    try:
+        return server.http.get("/health").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_host_guard_on_loopback_without_keys(server):
+    port = server.port
+    for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.nip.io", "192.168.1.5"):
+        assert_error(server.http.get("/v1/models", headers={"Host": host}), 403, "host_not_allowed")
+    for host in ("localhost", f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"):
+        assert server.http.get("/v1/models", headers={"Host": host}).status_code == 200
+
+
+def test_allowed_host_and_cors(tiny_model, tmp_path):
+    server = serve(tiny_model, tmp_path, "--allowed-host", "mlx.lan", "--cors-origin", "http://app.example")
+    try:
+        assert server.http.get("/v1/models", headers={"Host": "mlx.lan:80"}).status_code == 200
+        assert server.http.get("/v1/models", headers={"Host": "other.lan"}).status_code == 403
+        preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization,content-type"}
+        allowed = server.http.options("/v1/chat/completions", headers=preflight)
+        assert allowed.headers["access-control-allow-origin"] == "http://app.example"
+        other = server.http.options("/v1/chat/completions", headers=dict(preflight, Origin="http://evil.example"))
+        assert "access-control-allow-origin" not in other.headers
+    finally:
+        server.stop()
+
+
+def test_cors_is_off_by_default(server):
+    response = server.http.get("/v1/models", headers={"Origin": "http://app.example"})
+    assert "access-control-allow-origin" not in response.headers
+
+
+def test_limits(tiny_model, tmp_path):
+    server = serve(tiny_model, tmp_path, "--max-body-bytes", "2000", "--max-tokens-limit", "1500",
+                   "--request-timeout-s", "0.5", "--body-timeout-s", "0.5", "--max-inflight", "1",
+                   "--heartbeat-s", "0.05")
+    try:
+        big = dict(CHAT, messages=[{"role": "user", "content": "x" * 3000}])
+        assert_error(server.http.post("/v1/chat/completions", json=big), 413, "request_too_large")
+
+        def chunked():
+            yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
+            yield b"y" * 3000
+            yield b'"}]}'
+
+        assert_error(server.http.post("/v1/chat/completions", content=chunked()), 413, "request_too_large")
+        assert_error(server.http.post("/v1/chat/completions", json=dict(CHAT, max_tokens=1501)), 400)
+
+        # A client that announces a body and then stalls.
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"")
+            sock.settimeout(5)
+            assert sock.recv(100).startswith(b"HTTP/1.1 408")
+
+        # Over the total request time: aborted, in the worker too.
+        long = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True}
+        assert_error(server.http.post("/v1/completions", json=long), 504, "timeout")
+        server.wait_running(lambda n: n == 0, timeout=2)
+
+        # Total in flight: the second request is refused while the first runs.
+        with httpx.stream("POST", server.url + "/v1/completions", json=dict(long, stream=True), timeout=30) as r:
+            lines = r.iter_lines()
+            events = [next(lines)]
+            assert_error(server.http.post("/v1/chat/completions", json=CHAT), 503, "overloaded")
+            events += [line for line in lines if line.startswith("data: ")]
+        assert '"code":"timeout"' in events[-2] and events[-1] == "data: [DONE]"
+        server.wait_running(lambda n: n == 0, timeout=2)
+    finally:
+        server.stop()
+
+
+def test_worker_socket_directory_is_private(tmp_path):
+    run = tmp_path / "run"
+    server = Server(["gateway", "--worker-endpoint", f"ipc://{run}/worker.sock"], tmp_path / "gateway.log")
+    try:
+        wait_for(lambda: _answers(server), 30, "the gateway")
+        assert stat.S_IMODE(os.lstat(run).st_mode) == 0o700
+    finally:
+        server.stop()
+
+
+def test_pre_planted_symlink_is_refused(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / "run").symlink_to(target)
+    result = subprocess.run(
+        [*MLXD, "gateway", "--port", str(free_port()), "--worker-endpoint", f"ipc://{tmp_path}/run/worker.sock"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode != 0
+    assert "not a plain directory" in result.stderr
+    assert not (target / "worker.sock").exists()
+
+
+def test_tcp_endpoint_without_curve_is_refused(tmp_path):
+    result = subprocess.run(
+        [*MLXD, "gateway", "--port", str(free_port()), "--worker-endpoint", f"tcp://127.0.0.1:{free_port()}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode != 0
+    assert "--curve-secret-key" in result.stderr
+
+
+def test_curve_admits_listed_workers_only(tiny_model, tmp_path, reference):
+    keys = tmp_path / "keys"
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    for name in ("gateway", "good", "rogue"):
+        subprocess.run([*MLXD, "keys", "generate", str(keys), "--name", name], check=True, capture_output=True)
+    (allowed / "good.key").write_bytes((keys / "good.key").read_bytes())
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    gateway = Server(["gateway", "--worker-endpoint", endpoint, "--served-model-name", MODEL_NAME,
+                      "--curve-secret-key", str(keys / "gateway.key_secret"),
+                      "--curve-authorized-keys", str(allowed)], tmp_path / "gateway.log")
+
+    def worker(name: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [*MLXD, "worker", "--model", str(tiny_model), "--worker-endpoint", endpoint,
+             "--curve-secret-key", str(keys / f"{name}.key_secret"), "--curve-server-key", str(keys / "gateway.key")],
+            cwd=ROOT, stdout=open(tmp_path / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
+        )
+
+    rogue = worker("rogue")
+    try:
+        wait_for(lambda: "not authorized" in gateway.log_path.read_text(), 30, "the rogue worker to be refused")
+        assert gateway.health()["worker"]["ready"] is False
+        good = worker("good")
+        try:
+            gateway.wait_ready()
+            assert gateway.health()["worker"]["pid"] == good.pid
+            expected = reference.greedy(reference.text_prompt("Once upon a time"), 8).text
+            response = gateway.http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Once upon a time",
+                                                                 "max_tokens": 8, "temperature": 0})
+            assert response.json()["choices"][0]["text"] == expected
+        finally:
+            stop_process(good)
+    finally:
+        stop_process(rogue)
+        gateway.stop()
+
+
+def test_request_model_never_loads_anything(server):
+    pid = server.health()["worker"]["pid"]
+    for name in ("/etc", "../../etc/passwd", "mlx-community/some-model", "~/.ssh/id_rsa"):
+        assert_error(server.http.post("/v1/chat/completions", json=dict(CHAT, model=name)), 404, "model_not_found")
+    assert server.health()["worker"]["pid"] == pid
+    assert server.health()["worker"]["model"] != "/etc"
+
+
+@pytest.mark.parametrize("log_prompts", [False, True])
+def test_logs_hold_no_prompts_or_keys_unless_asked(tiny_model, tmp_path, log_prompts):
+    args = ["--api-key", "the-secret-key-walrus", "--log-level", "debug"] + (["--log-prompts"] if log_prompts else [])
+    server = Server(["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME, *args],
+                    tmp_path / "serve.log")
+    try:
+        wait_for(lambda: _answers(server) and server.http.get("/ready").status_code == 200, 60, "the server")
+        headers = {"Authorization": "Bearer the-secret-key-walrus"}
+        body = dict(CHAT, messages=[{"role": "user", "content": SECRET_PROMPT}])
+        assert server.http.post("/v1/chat/completions", json=body, headers=headers).status_code == 200
+        assert server.http.post("/v1/chat/completions", json=dict(body, bad=1), headers=headers).status_code == 400
+        assert server.http.get("/v1/models", headers={"x-api-key": "wrong-key-narwhal"}).status_code == 401
+    finally:
+        server.stop()
+    log = server.log_path.read_text()
+    assert "the-secret-key-walrus" not in log and "wrong-key-narwhal" not in log
+    assert (SECRET_PROMPT in log) == log_prompts
