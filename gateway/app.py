@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from gateway.errors import APIError, api_error_handler, http_error_handler, internal_error_handler
 from gateway.openai_api import OpenAIAPI
+from gateway.serving import Serving
 from gateway.security import Guard, KeyRing, check_bind_policy
 from gateway.settings import GatewaySettings
 from gateway.supervisor import WorkerSupervisor
@@ -44,10 +45,11 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
         curve_authorized_keys=settings.curve_authorized_keys,
     )
     supervisor = WorkerSupervisor(worker_settings, link, settings.drain_s + 5) if worker_settings else None
-    api = OpenAIAPI(link, settings)
+    serving = Serving(link, settings)
+    api = OpenAIAPI(serving)
 
     async def health(request: Request) -> Response:
-        status = "draining" if api.draining else "ok"
+        status = "draining" if serving.draining else "ok"
         if not request.scope["state"]["authenticated"]:
             # Open to all, so that probes need no key; details only with one.
             return _json({"status": status, "worker": {"ready": link.ready}})
@@ -57,7 +59,7 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
         return _json(body)
 
     async def ready(_request: Request) -> Response:
-        if link.ready and not api.draining:
+        if link.ready and not serving.draining:
             return _json({"ready": True})
         return _json({"ready": False, "worker": link.status()["state"]}, 503, {"Retry-After": "1"})
 
@@ -85,7 +87,7 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
     def begin_drain() -> None:
         """On SIGTERM/SIGINT (from the signal handler): refuse new requests; let
         open streams run for --drain-s, then end them with an error event."""
-        api.draining = True
+        serving.draining = True
         loop = app.state.loop
         log.info("draining: open requests have %gs to finish", settings.drain_s)
         loop.call_soon_threadsafe(loop.call_later, settings.drain_s, link.end_all, "the server is shutting down")

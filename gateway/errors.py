@@ -52,7 +52,8 @@ def decode_body(body: bytes, request_type: type):
     except msgspec.ValidationError as e:
         message = str(e)
         match = _PATH.search(message)
-        param = match.group(1) if match and match.group(1) else None
+        # msgspec writes a dict's keys as [...]; the dict itself is the parameter.
+        param = match.group(1).replace("[...]", "") if match and match.group(1) else None
         unknown = re.match(r"Object contains unknown field `(.+?)`", message)
         if unknown:
             name = f"{param}.{unknown.group(1)}" if param else unknown.group(1)

@@ -1,26 +1,39 @@
-"""One request's journey from worker tokens to client text.
+"""A request's journey from worker tokens to client text.
 
-`render` runs on the link's detokenizer thread, once per step output; the
-resulting Delta is handed to the request's queue on the event loop, where the
-HTTP handler turns it into SSE chunks or one JSON body.
+`RequestStream.render` runs on the link's detokenizer thread, once per step
+output; the resulting Delta goes to the queue of the request's
+`RequestGroup` (one request, or `n` of them sampled from one prompt) on the
+event loop, where an API handler turns Deltas into SSE events or one body.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
 from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
-from protocol import AddRequest, RequestOutput, Sampling
+from protocol import AddRequest, RequestOutput, Sampling, TokenLogprob
+
+
+@dataclass(slots=True)
+class TokenInfo:
+    """One generated token's text and log-probabilities, for an API's logprobs."""
+
+    text: str
+    logprob: float
+    top: list[tuple[str, float]]
 
 
 @dataclass(slots=True)
 class Delta:
     text: str
+    index: int = 0  # which of the group's choices
     # "stop" (EOS, stop token or stop string), "length", or "error"
     finish_reason: str | None = None
+    stop_string: str | None = None  # the stop string that ended it, if one did
+    logprobs: list[TokenInfo] = field(default_factory=list)
     error: str | None = None
     # The HTTP status an error maps to when no 200 has been sent yet.
     error_status: int = 500
@@ -41,26 +54,34 @@ class StopMatcher:
         self._hold = max((len(s) for s in stops), default=1) - 1
         self._pending = ""
 
-    def feed(self, text: str, final: bool) -> tuple[str, bool]:
-        """(text safe to emit, whether a stop string was hit)."""
+    def feed(self, text: str, final: bool) -> tuple[str, str | None]:
+        """(text safe to emit, the stop string hit or None)."""
         self._pending += text
-        hits = [i for i in (self._pending.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, s) for s in self._stops if (i := self._pending.find(s)) >= 0]
         if hits:
-            out, self._pending = self._pending[: min(hits)], ""
-            return out, True
+            at, stop = min(hits)
+            out, self._pending = self._pending[:at], ""
+            return out, stop
         if final or not self._hold:
             out, self._pending = self._pending, ""
         else:
             cut = max(len(self._pending) - self._hold, 0)
             out, self._pending = self._pending[:cut], self._pending[cut:]
-        return out, False
+        return out, None
 
 
 class RequestStream:
     def __init__(
-        self, request_id: str, prompt: list[int], sampling: Sampling, tokenizer: Tokenizer, stop: list[str]
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: Sampling,
+        tokenizer: Tokenizer,
+        stop: list[str],
+        index: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.index = index
         self.prompt = prompt
         self.sampling = sampling
         # Every token the worker produced, so that a lost worker's requests
@@ -69,7 +90,8 @@ class RequestStream:
         self.worker_losses = 0
         self.tokenizer_digest = tokenizer.digest  # a request resumes only on the same model
         self.finished = False
-        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()  # the group's, once grouped
+        self._tokenizer = tokenizer
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._stops = StopMatcher(stop)
         self._rendered_final = False
@@ -86,15 +108,19 @@ class RequestStream:
         text = self._detokenizer.add(token_ids)
         if final:
             text += self._detokenizer.flush()
-        text, hit = self._stops.feed(text, final)
-        self._rendered_final = final or hit
-        if hit:
-            return Delta(text, "stop", abort_worker=not final)
-        return Delta(text, output.finish_reason)
+        text, stop = self._stops.feed(text, final)
+        self._rendered_final = final or stop is not None
+        logprobs = self._token_infos(token_ids, output.logprobs) if output.logprobs else []
+        if stop is not None:
+            return Delta(text, self.index, "stop", stop, logprobs, abort_worker=not final)
+        return Delta(text, self.index, output.finish_reason, None, logprobs)
 
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt)
+    def _token_infos(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> list[TokenInfo]:
+        decode = self._tokenizer.decode
+        return [
+            TokenInfo(decode([t]), lp.logprob, [(decode([a]), alp) for a, alp in zip(lp.top_ids, lp.top_logprobs)])
+            for t, lp in zip(token_ids, logprobs)
+        ]
 
     @property
     def completion_tokens(self) -> int:
@@ -110,10 +136,32 @@ class RequestStream:
 
     def fail(self, message: str, status: int) -> Delta:
         self._rendered_final = True
-        return Delta("", "error", error=message, error_status=status)
+        return Delta("", self.index, "error", error=message, error_status=status)
+
+
+class RequestGroup:
+    """The streams of one API request (n > 1 samples n of them), read as one."""
+
+    def __init__(self, streams: list[RequestStream]) -> None:
+        self.streams = streams
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        for stream in streams:
+            stream.queue = self.queue
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.streams[0].prompt)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(s.completion_tokens for s in self.streams)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.streams)
 
     async def deltas(self, deadline: float | None = None):
-        """Every Delta until the final one (which is yielded too).
+        """Every Delta of every stream until each has its final one.
 
         Raises TimeoutError at `deadline` (event-loop time) if not finished.
         """
@@ -121,5 +169,8 @@ class RequestStream:
         while not self.finished:
             timeout = None if deadline is None else max(deadline - loop.time(), 0)
             delta = await asyncio.wait_for(self.queue.get(), timeout)
-            self.finished = delta.finish_reason is not None
+            stream = self.streams[delta.index]
+            if stream.finished:
+                continue  # e.g. an error that crossed the final delta
+            stream.finished = delta.finish_reason is not None
             yield delta

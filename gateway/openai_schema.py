@@ -15,6 +15,8 @@ from msgspec import Meta
 
 # Integers travel to the worker as msgpack int64.
 MAX_INT = 2**63 - 1
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
 
 
 class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
@@ -60,7 +62,12 @@ class GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
     seed: Annotated[int, Meta(ge=-MAX_INT - 1, le=MAX_INT)] | None = None
     stop: str | Annotated[list[str], Meta(max_length=16)] | None = None
-    n: int | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0, le=10)] | None = None
+    # Token id (as a string, as OpenAI has it) -> bias added to its logit.
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
     user: str | None = None
     # Extension: keep generating past EOS (benchmarks want exact lengths).
     ignore_eos: bool = False
@@ -72,11 +79,14 @@ class GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 class ChatCompletionRequest(GenerationRequest):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: Annotated[int, Meta(ge=1, le=MAX_INT)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
 
 class CompletionRequest(GenerationRequest):
     # A string, or token ids. (A list of several prompts is refused.)
     prompt: str | Annotated[list[int | str], Meta(min_length=1)]
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
 
 # ---- responses --------------------------------------------------------------
@@ -88,16 +98,35 @@ class Usage(msgspec.Struct):
     total_tokens: int
 
 
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
 class AssistantMessage(msgspec.Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
+    refusal: None = None
 
 
 class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct):
@@ -118,7 +147,7 @@ class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -130,11 +159,18 @@ class ChatCompletionChunk(msgspec.Struct):
     object: str = "chat.completion.chunk"
 
 
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(msgspec.Struct):

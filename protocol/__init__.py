@@ -26,6 +26,7 @@ from protocol.messages import (
     RequestOutput,
     Sampling,
     StepOutput,
+    TokenLogprob,
     ToWorker,
     Welcome,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "RequestOutput",
     "Sampling",
     "StepOutput",
+    "TokenLogprob",
     "ToWorker",
     "Welcome",
     "decode_from_worker",

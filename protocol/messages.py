@@ -33,6 +33,12 @@ class Sampling(msgspec.Struct, array_like=True):
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    # None: no logprobs; k >= 0: the chosen token's logprob and the k most likely.
+    logprobs: int | None = None
 
 
 # ---- gateway -> worker ------------------------------------------------------
@@ -89,16 +95,26 @@ class Hello(_Message, tag="hello"):
 FinishReason = Literal["stop", "length"]
 
 
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """Log-probabilities (natural log, of the model's distribution) at one position."""
+
+    logprob: float  # of the chosen token
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class RequestOutput(msgspec.Struct, array_like=True):
     """New tokens of one request in one step.
 
     finish_reason "stop" means the last token is a stop token (EOS or one of
     the request's stop_token_ids): it counts as generated but is not text.
+    logprobs: one per token, when the request asked for them.
     """
 
     request_id: str
     token_ids: list[int]
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class StepOutput(_Message, tag="step"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import mlx.core as mx
@@ -12,6 +13,10 @@ from tests.conftest import MODEL_NAME
 
 def test_audit_sees_no_off_main_thread_evaluation(server):
     """Concurrency and aborts through the real stack; the worker runs with MLXD_AFFINITY_AUDIT=1."""
+    deadline = time.monotonic() + 5
+    while "affinity" not in server.health()["worker"]:  # the first heartbeat carries it
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
     before = server.health()["worker"]["affinity"]["evaluations"]
 
     def stream(i: int, abort_after: int | None) -> None:

@@ -5,10 +5,16 @@ Runs on the worker's main thread only; every method may call into MLX.
 
 from __future__ import annotations
 
-from mlx_lm.generate import BatchGenerator, StopSequences
+import math
 
-from protocol import AddRequest, RequestOutput
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.sample_utils import make_logits_processors
+
+from protocol import AddRequest, RequestOutput, TokenLogprob
 from worker.sampling import make_sampler
+
+MAX_TOP_LOGPROBS = 20
 
 
 class InvalidRequest(ValueError):
@@ -41,6 +47,7 @@ class Engine:
         self._uid_of: dict[str, int] = {}
         self._request_of: dict[int, str] = {}
         self._waiting: set[str] = set()
+        self._top_logprobs: dict[str, int] = {}  # requests that want logprobs, and how many alternatives
 
     @property
     def has_work(self) -> bool:
@@ -72,21 +79,42 @@ class Engine:
             raise InvalidRequest("max_tokens must be at least 1")
         if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0 or not 0 <= s.min_p <= 1:
             raise InvalidRequest(f"sampling parameters out of range: {s}")
+        penalties = (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, *s.logit_bias.values())
+        if not all(math.isfinite(p) for p in penalties) or s.repetition_penalty <= 0:
+            raise InvalidRequest("penalties and logit biases must be finite, repetition_penalty > 0")
+        bad = next((t for t in s.logit_bias if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"logit_bias names token id {bad}, outside the vocabulary (size {self.vocab_size})")
+        if s.logprobs is not None and not 0 <= s.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
 
     def add(self, request: AddRequest) -> None:
         self._check(request)
         s = request.sampling
         stop_ids = list(s.stop_token_ids) + ([] if s.ignore_eos else self.eos_token_ids)
         max_tokens = min(s.max_tokens, self.context_length - len(request.prompt_token_ids))
+        # Penalties look back over the whole context: prompt and completion.
+        processors = make_logits_processors(
+            logit_bias=s.logit_bias or None,
+            repetition_penalty=s.repetition_penalty if s.repetition_penalty != 1.0 else None,
+            repetition_context_size=self.context_length,
+            presence_penalty=s.presence_penalty or None,
+            presence_context_size=self.context_length,
+            frequency_penalty=s.frequency_penalty or None,
+            frequency_context_size=self.context_length,
+        )
         (uid,) = self._generator.insert(
             [request.prompt_token_ids],
             max_tokens=[max_tokens],
             samplers=[make_sampler(s)],
+            logits_processors=[processors],
             stop_sequences=[StopSequences([[t] for t in stop_ids])],
         )
         self._uid_of[request.request_id] = uid
         self._request_of[uid] = request.request_id
         self._waiting.add(request.request_id)
+        if s.logprobs is not None:
+            self._top_logprobs[request.request_id] = s.logprobs
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop requests; unknown or finished ids are ignored (aborts are idempotent)."""
@@ -105,6 +133,7 @@ class Engine:
         request_id = self._request_of.pop(uid)
         del self._uid_of[request_id]
         self._waiting.discard(request_id)
+        self._top_logprobs.pop(request_id, None)
 
     def step(self) -> list[RequestOutput]:
         """One continuous-batching step: a prefill chunk and/or one decode token each."""
@@ -113,10 +142,32 @@ class Engine:
         for r in prompt_responses:
             self._waiting.discard(self._request_of[r.uid])
         outputs = []
+        wanted = []
         for r in generation_responses:
             request_id = self._request_of[r.uid]
             self._waiting.discard(request_id)
             outputs.append(RequestOutput(request_id, [r.token], r.finish_reason))
+            if (k := self._top_logprobs.get(request_id)) is not None:
+                wanted.append((outputs[-1], r, k))
             if r.finish_reason is not None:
                 self._forget(r.uid)
+        if wanted:
+            self._attach_logprobs(wanted)
         return outputs
+
+    @staticmethod
+    def _attach_logprobs(wanted: list) -> None:
+        """The chosen token's logprob and the k most likely, for each output
+        that asked; every array evaluated in one go."""
+        arrays = []
+        for _, r, k in wanted:
+            logprobs = r.logprobs
+            top = mx.argpartition(-logprobs, kth=k - 1)[:k] if k else mx.array([], dtype=mx.uint32)
+            arrays += [logprobs[r.token], top, logprobs[top]]
+        mx.eval(arrays)
+        for i, (output, _, _) in enumerate(wanted):
+            chosen, top, top_logprobs = arrays[3 * i : 3 * i + 3]
+            ranked = sorted(zip(top_logprobs.tolist(), top.tolist()), reverse=True)
+            output.logprobs = [
+                TokenLogprob(chosen.item(), [t for _, t in ranked], [lp for lp, _ in ranked])
+            ]

@@ -1,0 +1,269 @@
+"""What every API endpoint does around a generation, whatever its dialect.
+
+Read the body within limits, wait (bounded) for a ready worker, check the
+model name, tokenize off the event loop, check the context, admit the request
+(in-flight limits, decided before any 200), submit its streams to the worker,
+and make sure that however it ends — finished, client gone, timed out — the
+worker is told and the admission released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from gateway.errors import APIError
+from gateway.generation import RequestGroup, RequestStream, TokenInfo
+from gateway.settings import GatewaySettings
+from gateway.tokenizer import PromptError
+from gateway.worker_link import WorkerLink, WorkerState, WorkerUnavailable
+from protocol import Sampling
+
+log = logging.getLogger("mlxd.gateway.api")
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, type="service_unavailable", code="worker_unavailable", headers={"Retry-After": "5"})
+
+
+class Admission:
+    """Requests in flight, in total and per client (API key, or address without keys)."""
+
+    def __init__(self, total: int, per_client: int) -> None:
+        self.limit_total = total
+        self.limit_per_client = per_client
+        self.total = 0
+        self.by_client: Counter[str] = Counter()
+
+    def admit(self, client_id: str):
+        """Count the request in; return the function that counts it out (once)."""
+        if self.by_client[client_id] >= self.limit_per_client:
+            raise APIError(
+                429, f"too many requests in flight for this client (limit {self.limit_per_client})",
+                type="requests", code="rate_limit_exceeded", headers={"Retry-After": "1"},
+            )
+        if self.total >= self.limit_total:
+            raise APIError(
+                503, f"the server is at its limit of {self.limit_total} requests in flight",
+                type="service_unavailable", code="overloaded", headers={"Retry-After": "1"},
+            )
+        self.total += 1
+        self.by_client[client_id] += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.total -= 1
+                self.by_client[client_id] -= 1
+                if not self.by_client[client_id]:
+                    del self.by_client[client_id]
+
+        return release
+
+
+class Generation:
+    """One admitted API request running in the worker: its streams, its deadline, its cleanup."""
+
+    def __init__(self, group: RequestGroup, link: WorkerLink, release, deadline: float | None) -> None:
+        self.group = group
+        self.deadline = deadline
+        self._link = link
+        self._release = release
+
+    def deltas(self):
+        return self.group.deltas(self.deadline)
+
+    def close(self) -> None:
+        """However the request ended: free its admission, abort what still runs. Idempotent."""
+        self._release()
+        for stream in self.group.streams:
+            if not stream.finished:
+                self._link.abort(stream.request_id)
+
+
+class EventStream(StreamingResponse):
+    """SSE that closes its Generation however the response ends, even when the
+    client leaves before the first event (when the body iterator never started
+    and so never ran its own cleanup)."""
+
+    def __init__(self, events, generation: Generation) -> None:
+        super().__init__(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        self._generation = generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._generation.close()
+
+
+class Serving:
+    def __init__(self, link: WorkerLink, settings: GatewaySettings) -> None:
+        self.link = link
+        self.settings = settings
+        self.started = int(time.time())
+        self.draining = False  # set on SIGTERM: no new requests
+        self.admission = Admission(settings.max_inflight, settings.max_inflight_per_key)
+
+    async def read_body(self, request: Request) -> bytes:
+        """The body, within --max-body-bytes (413) and --body-timeout-s (408)."""
+        limit = self.settings.max_body_bytes
+        too_large = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_large
+        chunks: list[bytes] = []
+        size = 0
+
+        async def read() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), self.settings.body_timeout_s)
+        except TimeoutError:
+            raise APIError(
+                408, f"the request body did not arrive within {self.settings.body_timeout_s:g}s", code="timeout"
+            ) from None
+        return b"".join(chunks)
+
+    async def ready_worker(self) -> WorkerState:
+        if self.draining:
+            raise unavailable("the server is shutting down")
+        try:
+            return await self.link.ready_worker(self.settings.worker_wait_s)
+        except WorkerUnavailable as e:
+            raise unavailable(str(e)) from None
+
+    def served_names(self, worker: WorkerState) -> list[str]:
+        return self.settings.served_model_name or [worker.hello.model]
+
+    async def worker_for(self, model: str) -> WorkerState:
+        """A ready worker serving `model` (404 for a name this server does not serve)."""
+        worker = await self.ready_worker()
+        names = self.served_names(worker)
+        if model not in names:
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist. This server serves: {', '.join(names)}.",
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+            )
+        return worker
+
+    async def tokenize(self, fn, *args, param: str = "messages") -> list[int]:
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except PromptError as e:
+            raise APIError(400, str(e), param=param) from None
+
+    def max_tokens(self, prompt: list[int], requested: int | None, worker: WorkerState, prompt_param: str,
+                   max_tokens_param: str = "max_tokens") -> int:
+        """How many tokens the request may generate; 400 when it cannot fit."""
+        context = worker.hello.context_length
+        if not prompt:
+            raise APIError(400, "the prompt is empty", param=prompt_param)
+        if len(prompt) >= context:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {context} tokens; the prompt has {len(prompt)} tokens.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        limit = self.settings.max_tokens_limit
+        if limit is not None and requested is not None and requested > limit:
+            raise APIError(400, f"{max_tokens_param} is {requested}; this server allows at most {limit}",
+                           param=max_tokens_param)
+        room = min(context - len(prompt), limit or context)
+        return min(requested or room, room)
+
+    def start(self, request: Request, worker: WorkerState, request_id: str, prompt: list[int],
+              samplings: list[Sampling], stop: list[str]) -> Generation:
+        """Admit the request and submit one stream per sampling to the worker."""
+        release = self.admission.admit(request.scope["state"]["client_id"])
+        ids = [request_id] if len(samplings) == 1 else [f"{request_id}-{i}" for i in range(len(samplings))]
+        group = RequestGroup([
+            RequestStream(rid, prompt, sampling, worker.tokenizer, stop, index)
+            for index, (rid, sampling) in enumerate(zip(ids, samplings))
+        ])
+        timeout = self.settings.request_timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout if timeout else None
+        generation = Generation(group, self.link, release, deadline)
+        try:
+            for stream in group.streams:
+                self.link.submit(stream)
+        except WorkerUnavailable as e:
+            generation.close()
+            raise unavailable(str(e)) from None
+        if self.settings.log_prompts:
+            log.info("%s prompt: %r", request_id, worker.tokenizer.decode(prompt))
+        return generation
+
+    def timed_out(self) -> str:
+        return f"the request ran longer than the server's limit of {self.settings.request_timeout_s:g}s and was stopped"
+
+    def log_completion(self, request_id: str, texts: list[str]) -> None:
+        if self.settings.log_prompts:
+            log.info("%s completion: %r", request_id, texts if len(texts) > 1 else texts[0])
+
+
+@dataclass
+class Choice:
+    """One choice of a finished non-streaming request."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    stop_string: str | None = None
+    logprobs: list[TokenInfo] = field(default_factory=list)
+
+
+async def collect(request: Request, generation: Generation, serving: Serving) -> list[Choice] | None:
+    """Every choice's whole text; None if the client left first (the request is then aborted)."""
+    collecting = asyncio.ensure_future(_collect(generation))
+    disconnected = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({collecting, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnected.cancel()
+        collecting.cancel()
+        generation.close()
+    if not collecting.done() or collecting.cancelled():
+        return None
+    if isinstance(collecting.exception(), TimeoutError):
+        raise APIError(504, serving.timed_out(), type="timeout", code="timeout")
+    return collecting.result()
+
+
+async def _collect(generation: Generation) -> list[Choice]:
+    choices = [Choice() for _ in generation.group.streams]
+    async for delta in generation.deltas():
+        if delta.error is not None:
+            if delta.error_status == 503:
+                raise unavailable(delta.error)
+            raise APIError(delta.error_status, delta.error, type="server_error")
+        choice = choices[delta.index]
+        choice.text += delta.text
+        choice.logprobs += delta.logprobs
+        if delta.finish_reason is not None:
+            choice.finish_reason, choice.stop_string = delta.finish_reason, delta.stop_string
+    return choices
+
+
+async def _client_gone(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
