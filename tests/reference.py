@@ -18,6 +18,7 @@ class Expected:
     token_ids: list[int]  # generated, stop token included if one was hit
     text: str  # what a client must see
     finish_reason: str
+    logprobs: list = None  # mlx-lm's log-softmax at each generated position
 
 
 class Reference:
@@ -37,15 +38,18 @@ class Reference:
             token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
 
-    def greedy(self, prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> Expected:
+    def greedy(self, prompt: list[int], max_tokens: int, ignore_eos: bool = False, processors=None) -> Expected:
         tokens: list[int] = []
         finish = "length"
-        for token, _ in generate_step(
-            mx.array(prompt), self.model, max_tokens=max_tokens, sampler=make_sampler(0.0)
+        logprobs = []
+        for token, token_logprobs in generate_step(
+            mx.array(prompt), self.model, max_tokens=max_tokens, sampler=make_sampler(0.0),
+            logits_processors=processors,
         ):
             tokens.append(int(token))
+            logprobs.append(token_logprobs)
             if not ignore_eos and int(token) in self.tokenizer.eos_token_ids:
                 finish = "stop"
                 break
         text_tokens = tokens[:-1] if finish == "stop" else tokens
-        return Expected(tokens, self.decode(text_tokens), finish)
+        return Expected(tokens, self.decode(text_tokens), finish, logprobs)

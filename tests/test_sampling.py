@@ -1,0 +1,156 @@
+"""OpenAI sampling parameters through the whole stack, against mlx-lm in-process."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+import openai
+import pytest
+from mlx_lm.sample_utils import make_logits_processors
+
+from tests.conftest import MODEL_NAME
+
+MESSAGES = [{"role": "user", "content": "Tell me a story"}]
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "ignore_eos"}  # not in the openai SDK's signature
+
+
+def chat(client, **kwargs):
+    extra = {k: kwargs.pop(k) for k in list(kwargs) if k in EXTENSIONS}
+    return client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, extra_body=extra or None, **kwargs)
+
+
+def test_n_choices_greedy(client, reference):
+    expected = reference.greedy(reference.chat_prompt(MESSAGES), 24)
+    response = chat(client, n=3, max_tokens=24, temperature=0)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert all(c.message.content == expected.text for c in response.choices)
+    assert response.usage.completion_tokens == 3 * len(expected.token_ids)
+    assert response.usage.prompt_tokens == len(reference.chat_prompt(MESSAGES))
+
+
+def test_n_choices_streamed(client):
+    chunks = list(chat(client, n=2, max_tokens=16, temperature=1.0, seed=7, stream=True))
+    texts = {0: "", 1: ""}
+    finishes = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert set(finishes) == {0, 1}
+    again = chat(client, n=2, max_tokens=16, temperature=1.0, seed=7)
+    assert [c.message.content for c in again.choices] == [texts[0], texts[1]]
+    assert texts[0] != texts[1]  # choice i samples with seed + i
+
+
+def test_same_seed_concurrently_gives_the_same_text(client):
+    results = [None] * 4
+
+    def run(i: int) -> None:
+        seed = 1234 if i < 2 else 99
+        results[i] = chat(client, max_tokens=32, temperature=1.0, seed=seed, ignore_eos=True).choices[0].message.content
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results[0] == results[1]
+    assert results[2] == results[3]
+    assert results[0] != results[2]
+
+
+@pytest.mark.parametrize("params", [{"top_k": 1}, {"min_p": 1.0}, {"top_p": 0.001}])
+def test_filters_that_leave_one_token_are_greedy(client, reference, params):
+    expected = reference.greedy(reference.chat_prompt(MESSAGES), 20)
+    text = chat(client, max_tokens=20, temperature=1.5, seed=3, **params).choices[0].message.content
+    assert text == expected.text
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"presence_penalty": 2.0},
+        {"frequency_penalty": 1.0},
+        {"repetition_penalty": 1.8},
+        {"logit_bias": {"42": 12.0, "7": -100}},
+    ],
+    ids=lambda p: next(iter(p)),
+)
+def test_penalties_and_bias_match_mlx_lm(client, reference, server, params):
+    context = server.health()["worker"]["context_length"]
+    bias = {int(k): v for k, v in params.get("logit_bias", {}).items()}
+    processors = make_logits_processors(
+        logit_bias=bias or None,
+        repetition_penalty=params.get("repetition_penalty"), repetition_context_size=context,
+        presence_penalty=params.get("presence_penalty"), presence_context_size=context,
+        frequency_penalty=params.get("frequency_penalty"), frequency_context_size=context,
+    )
+    # A conversation whose greedy output the parameter changes (on a random
+    # model its effect depends on the margins between logits).
+    for i in range(20):
+        messages = [{"role": "user", "content": f"Story number {i}"}]
+        prompt = reference.chat_prompt(messages)
+        expected = reference.greedy(prompt, 32, processors=processors)
+        if expected.text != reference.greedy(prompt, 32).text:
+            break
+    else:
+        raise AssertionError(f"{params} changed none of the outputs")
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=32, temperature=0,
+        **{k: v for k, v in params.items() if k not in EXTENSIONS},
+        extra_body={k: v for k, v in params.items() if k in EXTENSIONS} or None,
+    )
+    assert response.choices[0].message.content == expected.text
+
+
+def top_k(logprobs: mx.array, k: int) -> list[tuple[int, float]]:
+    values = np.array(logprobs.astype(mx.float32))
+    return [(int(i), float(values[i])) for i in np.argsort(-values)[:k]]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_match_mlx_lm(client, reference, stream):
+    expected = reference.greedy(reference.chat_prompt(MESSAGES), 12)
+    kwargs = dict(max_tokens=12, temperature=0, logprobs=True, top_logprobs=3)
+    if stream:
+        content = [lp for c in chat(client, stream=True, **kwargs) if c.choices and c.choices[0].logprobs
+                   for lp in c.choices[0].logprobs.content]
+    else:
+        content = chat(client, **kwargs).choices[0].logprobs.content
+    assert len(content) == len(expected.token_ids) - (expected.finish_reason == "stop")
+    for item, token, logprobs in zip(content, expected.token_ids, expected.logprobs):
+        assert item.token == reference.decode([token])
+        assert abs(item.logprob - float(logprobs[token])) < 1e-3
+        top = top_k(logprobs, 3)
+        assert [t.token for t in item.top_logprobs] == [reference.decode([i]) for i, _ in top]
+        assert np.allclose([t.logprob for t in item.top_logprobs], [lp for _, lp in top], atol=1e-3)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_match_mlx_lm(client, reference, stream):
+    prompt = reference.text_prompt(PROMPT)
+    expected = reference.greedy(prompt, 10, ignore_eos=True)
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    if stream:
+        parts = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kwargs)
+                 if c.choices and c.choices[0].logprobs]
+        token_logprobs = [lp for p in parts for lp in p.token_logprobs]
+        tokens = [t for p in parts for t in p.tokens]
+    else:
+        logprobs = client.completions.create(**kwargs).choices[0].logprobs
+        token_logprobs, tokens = logprobs.token_logprobs, logprobs.tokens
+        assert logprobs.text_offset[0] == 0 and len(logprobs.top_logprobs) == len(tokens)
+    assert tokens == [reference.decode([t]) for t in expected.token_ids]
+    for logprob, token, reference_logprobs in zip(token_logprobs, expected.token_ids, expected.logprobs):
+        assert abs(logprob - float(reference_logprobs[token])) < 1e-3
