@@ -17,6 +17,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.errors import APIError, api_error_handler, http_error_handler, internal_error_handler
+from gateway.anthropic_api import AnthropicAPI
 from gateway.openai_api import OpenAIAPI
 from gateway.serving import Serving
 from gateway.security import Guard, KeyRing, check_bind_policy
@@ -47,6 +48,7 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
     supervisor = WorkerSupervisor(worker_settings, link, settings.drain_s + 5) if worker_settings else None
     serving = Serving(link, settings)
     api = OpenAIAPI(serving)
+    anthropic = AnthropicAPI(serving)
 
     async def health(request: Request) -> Response:
         status = "draining" if serving.draining else "ok"
@@ -99,6 +101,8 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
             Route("/v1/models", api.models, methods=["GET"]),
             Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
             Route("/v1/completions", api.completions, methods=["POST"]),
+            Route("/v1/messages", anthropic.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
         ],
         exception_handlers={
             APIError: api_error_handler,

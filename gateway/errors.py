@@ -33,9 +33,36 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(e: APIError) -> Response:
+# Anthropic's error types, by status.
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else
+                                                                   "invalid_request_error"), "message": message}}
+
+
+def is_anthropic(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def error_payload(path: str, status: int, message: str, type: str, param=None, code=None) -> bytes:
+    """The error body in the dialect of the API that `path` belongs to."""
+    body = anthropic_error_body(status, message) if is_anthropic(path) else error_body(message, type, param, code)
+    return msgspec.json.encode(body)
+
+
+def error_response(path: str, e: APIError) -> Response:
     return Response(
-        msgspec.json.encode(error_body(e.message, e.type, e.param, e.code)),
+        error_payload(path, e.status, e.message, e.type, e.param, e.code),
         status_code=e.status,
         media_type="application/json",
         headers=e.headers,
@@ -63,19 +90,20 @@ def decode_body(body: bytes, request_type: type):
         raise APIError(400, f"The body is not valid JSON: {e}", code="invalid_json") from None
 
 
-async def api_error_handler(_request: Request, e: APIError) -> Response:
-    return error_response(e)
+async def api_error_handler(request: Request, e: APIError) -> Response:
+    return error_response(request.url.path, e)
 
 
 _STATUS_TYPES = {404: "not_found_error", 405: "invalid_request_error"}
 
 
-async def http_error_handler(_request: Request, e: HTTPException) -> Response:
+async def http_error_handler(request: Request, e: HTTPException) -> Response:
     return error_response(
-        APIError(e.status_code, str(e.detail), type=_STATUS_TYPES.get(e.status_code, "invalid_request_error"))
+        request.url.path,
+        APIError(e.status_code, str(e.detail), type=_STATUS_TYPES.get(e.status_code, "invalid_request_error")),
     )
 
 
-async def internal_error_handler(_request: Request, _e: Exception) -> Response:
+async def internal_error_handler(request: Request, _e: Exception) -> Response:
     # Starlette re-raises the exception after this, and uvicorn logs it.
-    return error_response(APIError(500, "internal server error", type="server_error"))
+    return error_response(request.url.path, APIError(500, "internal server error", type="server_error"))

@@ -11,9 +11,7 @@ import ipaddress
 import logging
 from pathlib import Path
 
-import msgspec
-
-from gateway.errors import error_body
+from gateway.errors import error_payload
 from gateway.settings import GatewaySettings
 
 log = logging.getLogger("mlxd.gateway.security")
@@ -113,11 +111,12 @@ class Guard:
         if self.loopback and not self.keys.enabled and not self._host_allowed(headers.get(b"host", b"")):
             # A web page on another name that resolves to 127.0.0.1 must not
             # reach an unauthenticated local server.
-            return await _reject(send, 403, "this Host is not allowed; add it with --allowed-host", "host_not_allowed")
+            return await _reject(scope, send, 403, "this Host is not allowed; add it with --allowed-host",
+                                 "host_not_allowed")
         key_id = self.keys.identify(presented_key(headers)) if self.keys.enabled else None
         if self.keys.enabled and key_id is None and scope["path"].startswith("/v1/"):
             return await _reject(
-                send, 401, "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)",
+                scope, send, 401, "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)",
                 "invalid_api_key",
             )
         state = scope.setdefault("state", {})
@@ -134,8 +133,8 @@ class Guard:
         return name in self.allowed_hosts
 
 
-async def _reject(send, status: int, message: str, code: str) -> None:
-    body = msgspec.json.encode(error_body(message, "invalid_request_error", None, code))
+async def _reject(scope, send, status: int, message: str, code: str) -> None:
+    body = error_payload(scope["path"], status, message, "invalid_request_error", None, code)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))

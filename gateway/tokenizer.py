@@ -41,14 +41,21 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self._tok.chat_template)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> str:
+        """The prompt text: messages (and tools) through the model's chat template."""
         if not self.has_chat_template:
             raise PromptError("this model has no chat template; use /v1/completions")
         try:
-            text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self._tok.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+            )
         except TemplateError as e:
             raise PromptError(f"the model's chat template rejected these messages: {e}") from None
-        return self._tok.encode(text, add_special_tokens=False)
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
+        return self._tok.encode(self.render_chat(messages, tools, template_kwargs), add_special_tokens=False)
 
     def encode_text(self, text: str) -> list[int]:
         # As mlx-lm does: add the BOS token unless the prompt already starts with it.

@@ -1,0 +1,164 @@
+"""Anthropic's /v1/messages and /v1/messages/count_tokens.
+
+The same generation path as the OpenAI endpoints (gateway/serving.py), with
+Anthropic's request shape, stop reasons, SSE event sequence and error shape.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.anthropic_schema import (
+    CountTokensRequest,
+    ImageBlock,
+    MessageOut,
+    MessagesRequest,
+    TextBlock,
+    TextOut,
+    ThinkingBlock,
+    ToolChoiceNone,
+    ToolResultBlock,
+    ToolUseBlock,
+    Usage,
+)
+from gateway.errors import APIError, anthropic_error_body, decode_body
+from gateway.serving import EventStream, Generation, Serving, collect
+from protocol import Sampling
+
+_json = msgspec.json.Encoder()
+
+
+def event(name: str, payload: dict) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + _json.encode(payload) + b"\n\n"
+
+
+def stop_reason(finish_reason: str | None, stop_string: str | None) -> str:
+    if stop_string is not None:
+        return "stop_sequence"
+    return "max_tokens" if finish_reason == "length" else "end_turn"
+
+
+def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[dict]:
+    """Anthropic messages as the chat template's messages."""
+    messages = []
+    if body.system:
+        system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
+        messages.append({"role": "system", "content": system})
+    for i, m in enumerate(body.messages):
+        if isinstance(m.content, str):
+            messages.append({"role": m.role, "content": m.content})
+            continue
+        text: list[str] = []
+        tool_calls = []
+        for j, block in enumerate(m.content):
+            if isinstance(block, TextBlock):
+                text.append(block.text)
+            elif isinstance(block, ImageBlock):
+                raise APIError(400, "image inputs are not supported: the served model is text-only",
+                               param=f"messages[{i}].content[{j}]")
+            elif isinstance(block, ToolUseBlock):
+                tool_calls.append({"id": block.id, "type": "function",
+                                   "function": {"name": block.name, "arguments": block.input}})
+            elif isinstance(block, ToolResultBlock):
+                messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
+            elif isinstance(block, ThinkingBlock):
+                pass  # earlier reasoning is not replayed into the prompt, as chat templates do
+        if text or tool_calls:
+            message: dict = {"role": m.role, "content": "".join(text)}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            messages.append(message)
+    return messages
+
+
+def tool_definitions(body: MessagesRequest | CountTokensRequest) -> list[dict] | None:
+    """The tools in OpenAI's function shape, which chat templates expect (none with tool_choice none)."""
+    if not body.tools or isinstance(body.tool_choice, ToolChoiceNone):
+        return None
+    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                              "parameters": t.input_schema}} for t in body.tools]
+
+
+class AnthropicAPI:
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+
+    async def _prompt(self, body: MessagesRequest | CountTokensRequest):
+        worker = await self.serving.worker_for(body.model)
+        prompt = await self.serving.tokenize(
+            worker.tokenizer.encode_chat, chat_messages(body), tool_definitions(body)
+        )
+        return worker, prompt
+
+    async def count_tokens(self, request: Request) -> Response:
+        body: CountTokensRequest = decode_body(await self.serving.read_body(request), CountTokensRequest)
+        _, prompt = await self._prompt(body)
+        return Response(_json.encode({"input_tokens": len(prompt)}), media_type="application/json")
+
+    async def messages(self, request: Request) -> Response:
+        body: MessagesRequest = decode_body(await self.serving.read_body(request), MessagesRequest)
+        stops = body.stop_sequences or []
+        if any(not s for s in stops):
+            raise APIError(400, "stop_sequences must not be empty strings", param="stop_sequences")
+        worker, prompt = await self._prompt(body)
+        max_tokens = self.serving.max_tokens(prompt, body.max_tokens, worker, "messages")
+        sampling = Sampling(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+        )
+        message_id = f"msg_{uuid.uuid4().hex}"
+        generation = self.serving.start(request, worker, message_id, prompt, [sampling], stops)
+        if body.stream:
+            return EventStream(self._events(generation, message_id, body.model), generation)
+        choices = await collect(request, generation, self.serving)
+        if choices is None:
+            return Response(status_code=499)  # nobody is listening
+        (choice,) = choices
+        self.serving.log_completion(message_id, [choice.text])
+        out = MessageOut(
+            message_id,
+            body.model,
+            [TextOut(choice.text)] if choice.text else [],
+            stop_reason(choice.finish_reason, choice.stop_string),
+            choice.stop_string,
+            Usage(generation.group.prompt_tokens, generation.group.completion_tokens),
+        )
+        return Response(_json.encode(out), media_type="application/json")
+
+    async def _events(self, generation: Generation, message_id: str, model: str) -> AsyncIterator[bytes]:
+        group = generation.group
+        start = MessageOut(message_id, model, [], None, None, Usage(group.prompt_tokens, 0))
+        yield event("message_start", {"type": "message_start", "message": msgspec.to_builtins(start)})
+        yield event("content_block_start",
+                    {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
+        yield event("ping", {"type": "ping"})
+        reason = stop_string = None
+        sent = []
+        try:
+            async for delta in generation.deltas():
+                if delta.error is not None:
+                    yield event("error", anthropic_error_body(delta.error_status, delta.error))
+                    return
+                if delta.text:
+                    sent.append(delta.text)
+                    yield event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                        "delta": {"type": "text_delta", "text": delta.text}})
+                if delta.finish_reason is not None:
+                    reason, stop_string = stop_reason(delta.finish_reason, delta.stop_string), delta.stop_string
+        except TimeoutError:
+            yield event("error", anthropic_error_body(504, self.serving.timed_out()))
+            return
+        finally:
+            self.serving.log_completion(message_id, ["".join(sent)])
+        yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
+        yield event("message_delta", {"type": "message_delta",
+                                      "delta": {"stop_reason": reason, "stop_sequence": stop_string},
+                                      "usage": {"output_tokens": group.completion_tokens}})
+        yield event("message_stop", {"type": "message_stop"})
