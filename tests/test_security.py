@@ -291,3 +291,11 @@ def test_logs_hold_no_prompts_or_keys_unless_asked(tiny_model, tmp_path, log_pro
     log = server.log_path.read_text()
     assert "the-secret-key-walrus" not in log and "wrong-key-narwhal" not in log
     assert (SECRET_PROMPT in log) == log_prompts
+
+
+def test_anthropic_routes_take_x_api_key_and_answer_in_anthropic_shape(keyed):
+    body = {"model": MODEL_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    refused = keyed.http.post("/v1/messages", json=body, headers={"x-api-key": "wrong"})
+    assert refused.status_code == 401
+    assert refused.json() == {"type": "error", "error": {"type": "authentication_error", "message": refused.json()["error"]["message"]}}
+    assert keyed.http.post("/v1/messages", json=body, headers={"x-api-key": "flag-key-1"}).status_code == 200
