@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from gateway.parsing import ReasoningSplitter, ToolCall, ToolCallParser
 from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
 from protocol import AddRequest, RequestOutput, Sampling, TokenLogprob
 
@@ -28,8 +29,10 @@ class TokenInfo:
 
 @dataclass(slots=True)
 class Delta:
-    text: str
+    text: str  # content
     index: int = 0  # which of the group's choices
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
     # "stop" (EOS, stop token or stop string), "length", or "error"
     finish_reason: str | None = None
     stop_string: str | None = None  # the stop string that ended it, if one did
@@ -79,6 +82,8 @@ class RequestStream:
         tokenizer: Tokenizer,
         stop: list[str],
         index: int = 0,
+        reasoning: ReasoningSplitter | None = None,
+        tools: ToolCallParser | None = None,
     ) -> None:
         self.request_id = request_id
         self.index = index
@@ -92,7 +97,9 @@ class RequestStream:
         self.finished = False
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()  # the group's, once grouped
         self._tokenizer = tokenizer
-        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._reasoning = reasoning
+        self._tools = tools
+        self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=not (reasoning or tools))
         self._stops = StopMatcher(stop)
         self._rendered_final = False
 
@@ -109,11 +116,20 @@ class RequestStream:
         if final:
             text += self._detokenizer.flush()
         text, stop = self._stops.feed(text, final)
-        self._rendered_final = final or stop is not None
+        ended = final or stop is not None
+        self._rendered_final = ended
+        reasoning = ""
+        if self._reasoning is not None:
+            reasoning, text = self._reasoning.feed(text, ended)
+        calls: list[ToolCall] = []
+        if self._tools is not None:
+            text, calls = self._tools.feed(text, ended)
+        finish = "stop" if stop is not None else output.finish_reason
+        if finish == "stop" and self._tools is not None and self._tools.calls:
+            finish = "tool_calls"
         logprobs = self._token_infos(token_ids, output.logprobs) if output.logprobs else []
-        if stop is not None:
-            return Delta(text, self.index, "stop", stop, logprobs, abort_worker=not final)
-        return Delta(text, self.index, output.finish_reason, None, logprobs)
+        return Delta(text, self.index, reasoning, calls, finish, stop, logprobs,
+                     abort_worker=stop is not None and not final)
 
     def _token_infos(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> list[TokenInfo]:
         decode = self._tokenizer.decode
@@ -136,7 +152,7 @@ class RequestStream:
 
     def fail(self, message: str, status: int) -> Delta:
         self._rendered_final = True
-        return Delta("", self.index, "error", error=message, error_status=status)
+        return Delta("", self.index, finish_reason="error", error=message, error_status=status)
 
 
 class RequestGroup:

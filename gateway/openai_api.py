@@ -7,6 +7,7 @@ the worker; then it turns the Deltas into OpenAI's SSE chunks or one body.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -29,13 +30,19 @@ from gateway.openai_schema import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    FunctionDelta,
+    FunctionOut,
     GenerationRequest,
     ImagePart,
     Model,
     ModelList,
+    NamedToolChoice,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprob,
     Usage,
 )
+from gateway.parsing import ReasoningSplitter, ToolCall, ToolCallParser
 from gateway.serving import Choice, EventStream, Generation, Serving, collect
 from protocol import Sampling
 
@@ -75,6 +82,48 @@ def samplings(body: GenerationRequest, max_tokens: int, logprobs: int | None, vo
     return [msgspec.structs.replace(base, seed=body.seed + i) for i in range(n)]
 
 
+def template_messages(messages: list) -> list[dict]:
+    """Chat messages as chat templates expect them (tool call arguments as objects)."""
+    out = []
+    for m in messages:
+        message: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                              "arguments": _json_or_text(c.function.arguments)}}
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
+def _json_or_text(arguments: str):
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
+def tool_definitions(body: ChatCompletionRequest) -> list[dict] | None:
+    """The tools to render into the prompt: none with tool_choice "none", only
+    the named one with a named tool_choice."""
+    if not body.tools or body.tool_choice == "none":
+        if isinstance(body.tool_choice, NamedToolChoice) or body.tool_choice == "required":
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        return None
+    tools = [msgspec.to_builtins(t) for t in body.tools]
+    if isinstance(body.tool_choice, NamedToolChoice):
+        name = body.tool_choice.function.name
+        tools = [t for t in tools if t["function"]["name"] == name]
+        if not tools:
+            raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+    return tools
+
+
 def check_stop(body: GenerationRequest) -> list[str]:
     stops = body.stop_strings()
     if any(not s for s in stops):
@@ -107,19 +156,29 @@ class OpenAIAPI:
                     )
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        tools = tool_definitions(body)
         worker = await self.serving.worker_for(body.model)
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
-        ]
-        prompt = await self.serving.tokenize(worker.tokenizer.encode_chat, messages)
+        prompt_text, prompt = await self.serving.tokenize(
+            worker.tokenizer.chat_prompt, template_messages(body.messages), tools, body.chat_template_kwargs
+        )
         requested = body.max_completion_tokens or body.max_tokens
         max_tokens = self.serving.max_tokens(
             prompt, requested, worker, "messages", "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        output = ChatOutput(body.model)
+        output = ChatOutput(body.model, parallel_tool_calls=body.parallel_tool_calls is not False)
+        markers = worker.tokenizer.reasoning_markers
+        family = worker.tokenizer.tool_family
+
+        def parsers():
+            reasoning = None
+            if markers is not None:
+                reasoning = ReasoningSplitter(*markers, inside=prompt_text.rstrip().endswith(markers[0]))
+            return reasoning, ToolCallParser(family) if tools else None
+
         generation = self.serving.start(
-            request, worker, output.id, prompt, samplings(body, max_tokens, logprobs, worker.hello.vocab_size), stop
+            request, worker, output.id, prompt, samplings(body, max_tokens, logprobs, worker.hello.vocab_size), stop,
+            parsers,
         )
         return await self.respond(request, body, generation, output)
 
@@ -170,9 +229,13 @@ class OpenAIAPI:
                     if delta.error is not None:
                         yield sse(error_body(delta.error, "server_error"))
                         break
+                    if delta.reasoning:
+                        yield sse(output.reasoning_chunk(delta.index, delta.reasoning))
                     if delta.text or delta.logprobs:
                         yield sse(output.chunk(delta.index, delta.text, None, delta.logprobs))
                         sent.append(delta.text)
+                    if delta.tool_calls:
+                        yield sse(output.tool_calls_chunk(delta.index, delta.tool_calls))
                     if delta.finish_reason is not None:
                         yield sse(output.chunk(delta.index, None, delta.finish_reason, []))
             except TimeoutError:
@@ -210,6 +273,28 @@ class _Output:
 class ChatOutput(_Output):
     prefix = "chatcmpl-"
 
+    def __init__(self, model: str, parallel_tool_calls: bool = True) -> None:
+        super().__init__(model)
+        self.parallel_tool_calls = parallel_tool_calls
+        self._calls_sent: dict[int, int] = {}
+
+    def _allowed(self, index: int, calls: list[ToolCall]) -> list[ToolCall]:
+        """With parallel_tool_calls false, only a choice's first call."""
+        if self.parallel_tool_calls:
+            return calls
+        return calls[: max(1 - self._calls_sent.get(index, 0), 0)]
+
+    def reasoning_chunk(self, index: int, reasoning: str) -> ChatCompletionChunk:
+        return self._chunk([ChatChunkChoice(index, ChatDelta(reasoning_content=reasoning))])
+
+    def tool_calls_chunk(self, index: int, calls: list[ToolCall]) -> ChatCompletionChunk | None:
+        calls = self._allowed(index, calls)
+        first = self._calls_sent.get(index, 0)
+        self._calls_sent[index] = first + len(calls)
+        return self._chunk([ChatChunkChoice(index, ChatDelta(tool_calls=[
+            ToolCallDelta(first + i, c.id, FunctionDelta(c.name, c.arguments)) for i, c in enumerate(calls)
+        ]))])
+
     @staticmethod
     def _logprobs(tokens: list[TokenInfo]) -> ChatLogprobs:
         return ChatLogprobs([
@@ -236,9 +321,19 @@ class ChatOutput(_Output):
 
     def response(self, choices: list[Choice], usage: Usage) -> ChatCompletion:
         return ChatCompletion(self.id, self.created, self.model, [
-            ChatChoice(i, AssistantMessage(c.text), c.finish_reason, self._logprobs(c.logprobs) if c.logprobs else None)
+            ChatChoice(i, self._message(i, c), c.finish_reason, self._logprobs(c.logprobs) if c.logprobs else None)
             for i, c in enumerate(choices)
         ], usage)
+
+    def _message(self, index: int, choice: Choice) -> AssistantMessage:
+        calls = self._allowed(index, choice.tool_calls)
+        return AssistantMessage(
+            "assistant",
+            None if calls and not choice.text.strip() else choice.text,
+            None,
+            [ToolCallOut(c.id, FunctionOut(c.name, c.arguments)) for c in calls] or None,
+            choice.reasoning or None,
+        )
 
 
 class CompletionOutput(_Output):

@@ -6,7 +6,7 @@ naming it, never silently ignored.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -34,10 +34,25 @@ class ImagePart(msgspec.Struct, tag_field="type", tag="image_url", forbid_unknow
     image_url: ImageURL
 
 
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    # Sent back by some clients; earlier reasoning is not replayed into the prompt.
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -76,8 +91,34 @@ class GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
+class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(GenerationRequest):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # Passed to the chat template, e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1, le=MAX_INT)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
@@ -116,10 +157,23 @@ class ChatLogprobs(msgspec.Struct):
     refusal: None = None
 
 
-class AssistantMessage(msgspec.Struct):
+class FunctionOut(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: FunctionOut
+    type: str = "function"
+
+
+class AssistantMessage(msgspec.Struct, omit_defaults=True):
+    role: str
     content: str | None
-    role: str = "assistant"
-    refusal: None = None
+    refusal: None
+    tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -138,9 +192,23 @@ class ChatCompletion(msgspec.Struct):
     object: str = "chat.completion"
 
 
+class FunctionDelta(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallDelta(msgspec.Struct):
+    index: int
+    id: str
+    function: FunctionDelta
+    type: str = "function"
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -20,6 +20,7 @@ from starlette.responses import StreamingResponse
 
 from gateway.errors import APIError
 from gateway.generation import RequestGroup, RequestStream, TokenInfo
+from gateway.parsing import ToolCall
 from gateway.settings import GatewaySettings
 from gateway.tokenizer import PromptError
 from gateway.worker_link import WorkerLink, WorkerState, WorkerUnavailable
@@ -193,12 +194,15 @@ class Serving:
         return min(requested or room, room)
 
     def start(self, request: Request, worker: WorkerState, request_id: str, prompt: list[int],
-              samplings: list[Sampling], stop: list[str]) -> Generation:
-        """Admit the request and submit one stream per sampling to the worker."""
+              samplings: list[Sampling], stop: list[str], parsers=None) -> Generation:
+        """Admit the request and submit one stream per sampling to the worker.
+
+        parsers: a function making each stream's (reasoning splitter, tool-call parser), either None.
+        """
         release = self.admission.admit(request.scope["state"]["client_id"])
         ids = [request_id] if len(samplings) == 1 else [f"{request_id}-{i}" for i in range(len(samplings))]
         group = RequestGroup([
-            RequestStream(rid, prompt, sampling, worker.tokenizer, stop, index)
+            RequestStream(rid, prompt, sampling, worker.tokenizer, stop, index, *(parsers() if parsers else ()))
             for index, (rid, sampling) in enumerate(zip(ids, samplings))
         ])
         timeout = self.settings.request_timeout_s
@@ -227,6 +231,8 @@ class Choice:
     """One choice of a finished non-streaming request."""
 
     text: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
     finish_reason: str | None = None
     stop_string: str | None = None
     logprobs: list[TokenInfo] = field(default_factory=list)
@@ -258,6 +264,8 @@ async def _collect(generation: Generation) -> list[Choice]:
             raise APIError(delta.error_status, delta.error, type="server_error")
         choice = choices[delta.index]
         choice.text += delta.text
+        choice.reasoning += delta.reasoning
+        choice.tool_calls += delta.tool_calls
         choice.logprobs += delta.logprobs
         if delta.finish_reason is not None:
             choice.finish_reason, choice.stop_string = delta.finish_reason, delta.stop_string

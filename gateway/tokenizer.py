@@ -5,6 +5,7 @@ Tokenizing and detokenizing are CPU work: callers run them off the event loop.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import tempfile
@@ -15,6 +16,8 @@ from pathlib import Path
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from jinja2 import TemplateError  # noqa: E402
+
+from gateway.parsing import detect_reasoning, detect_tool_family  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 
@@ -53,17 +56,33 @@ class Tokenizer:
         except TemplateError as e:
             raise PromptError(f"the model's chat template rejected these messages: {e}") from None
 
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+        """The rendered prompt and its token ids."""
+        text = self.render_chat(messages, tools, template_kwargs)
+        return text, self._tok.encode(text, add_special_tokens=False)
+
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     template_kwargs: dict | None = None) -> list[int]:
-        return self._tok.encode(self.render_chat(messages, tools, template_kwargs), add_special_tokens=False)
+        return self.chat_prompt(messages, tools, template_kwargs)[1]
 
     def encode_text(self, text: str) -> list[int]:
         # As mlx-lm does: add the BOS token unless the prompt already starts with it.
         bos = self._tok.bos_token
         return self._tok.encode(text, add_special_tokens=bos is None or not text.startswith(bos))
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(
+            token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    @functools.cached_property
+    def tool_family(self) -> str:
+        return detect_tool_family(self._tok.chat_template or "")
+
+    @functools.cached_property
+    def reasoning_markers(self) -> tuple[str, str] | None:
+        return detect_reasoning(self._tok.chat_template or "", set(self._tok.get_vocab()))
 
 
 class IncrementalDetokenizer:
@@ -76,8 +95,10 @@ class IncrementalDetokenizer:
     until the character completes.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        # Kept when parsing tool calls or reasoning, whose markers may be special tokens.
+        self._skip_special = skip_special_tokens
         self._tokens: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -91,8 +112,8 @@ class IncrementalDetokenizer:
 
     def _emit(self, final: bool) -> str:
         decode = self._tokenizer.decode
-        prefix = decode(self._tokens[self._prefix_offset : self._read_offset])
-        text = decode(self._tokens[self._prefix_offset :])
+        prefix = decode(self._tokens[self._prefix_offset : self._read_offset], self._skip_special)
+        text = decode(self._tokens[self._prefix_offset :], self._skip_special)
         if len(text) <= len(prefix) or (text.endswith("\ufffd") and not final):
             return ""
         self._prefix_offset = self._read_offset

@@ -1,0 +1,181 @@
+"""Reasoning and tool calls in model output, parsed as it streams.
+
+Both work on text deltas and hold back only what might be the start of a
+marker, so ordinary text streams through without delay.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+
+def _held_prefix(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+class ReasoningSplitter:
+    """Splits `<think>…</think>` (or the template's own markers) off as reasoning."""
+
+    def __init__(self, start: str, end: str, inside: bool) -> None:
+        self.start, self.end = start, end
+        self.inside = inside  # the prompt already opened the reasoning block
+        self._pending = ""
+        self._trim = inside  # newlines right after a marker are layout, not text
+
+    def feed(self, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning, content) that are safe to emit."""
+        self._pending += text
+        reasoning, content = [], []
+        while True:
+            if self._trim:
+                self._pending = self._pending.lstrip("\n")
+                self._trim = not self._pending
+            marker = self.end if self.inside else self.start
+            at = self._pending.find(marker)
+            if at < 0:
+                break
+            (reasoning if self.inside else content).append(self._pending[:at])
+            self._pending = self._pending[at + len(marker):]
+            self._trim = True
+            self.inside = not self.inside
+        keep = 0 if final else _held_prefix(self._pending, self.end if self.inside else self.start)
+        out, self._pending = self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep:]
+        (reasoning if self.inside else content).append(out)
+        return "".join(reasoning), "".join(content)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI carries it
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+
+
+class ToolCallParser:
+    """Finds tool calls in one model family's format.
+
+    hermes   <tool_call>{"name": ..., "arguments": {...}}</tool_call>   (Qwen, Hermes, ...)
+    mistral  [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
+    llama3   {"name": ..., "parameters": {...}}  as the whole message (after <|python_tag|> if any)
+    """
+
+    def __init__(self, family: str) -> None:
+        self.family = family
+        self._pending = ""
+        self._in_call = False
+        self._at_start = True
+        self._trim = False  # newlines right after a call are layout, not text
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        """(content safe to emit, tool calls completed by this text)."""
+        self._pending += text
+        if self.family == "hermes":
+            return self._feed_hermes(final)
+        return self._feed_whole(final)
+
+    def _feed_hermes(self, final: bool) -> tuple[str, list[ToolCall]]:
+        content, calls = [], []
+        start, end = "<tool_call>", "</tool_call>"
+        while True:
+            if self._trim:
+                self._pending = self._pending.lstrip("\n")
+                self._trim = not self._pending
+            if not self._in_call:
+                at = self._pending.find(start)
+                if at < 0:
+                    break
+                content.append(self._pending[:at])
+                self._pending = self._pending[at + len(start):]
+                self._in_call = True
+            at = self._pending.find(end)
+            if at < 0 and not final:
+                break
+            raw = self._pending[:at] if at >= 0 else self._pending
+            parsed = self._parse(raw)
+            if parsed is None:  # not a call after all: it stays text
+                content.append(start + raw + (end if at >= 0 else ""))
+            else:
+                calls += parsed
+            self._pending = self._pending[at + len(end):] if at >= 0 else ""
+            self._in_call = False
+            self._trim = True
+        if not self._in_call:
+            keep = 0 if final else _held_prefix(self._pending, start)
+            content.append(self._pending[: len(self._pending) - keep])
+            self._pending = self._pending[len(self._pending) - keep:]
+        return "".join(content), calls
+
+    def _feed_whole(self, final: bool) -> tuple[str, list[ToolCall]]:
+        """mistral and llama3: the call is the rest of the message from its marker on."""
+        if not self._in_call:
+            stripped = self._pending.lstrip()
+            marker = "[TOOL_CALLS]" if self.family == "mistral" else "<|python_tag|>"
+            if marker in self._pending:
+                before, _, self._pending = self._pending.partition(marker)
+                self._in_call = True
+                content, calls = self._finish_whole(final)
+                return before + content, calls
+            if self.family == "llama3" and self._at_start and stripped.startswith("{"):
+                self._in_call = True
+                return self._finish_whole(final)
+            if not stripped and not final:
+                return "", []
+            keep = 0 if final else _held_prefix(self._pending, marker)
+            out, self._pending = self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep:]
+            self._at_start = self._at_start and not out.strip()
+            return out, []
+        return self._finish_whole(final)
+
+    def _finish_whole(self, final: bool) -> tuple[str, list[ToolCall]]:
+        """At the end of the message: the calls, or the text if it holds none."""
+        if not final:
+            return "", []
+        text, self._pending = self._pending, ""
+        parts = text.split(";") if self.family == "llama3" else [text]
+        calls = [self._parse(part) for part in parts]
+        if any(c is None for c in calls):
+            return text, []
+        return "", [call for parsed in calls for call in parsed]
+
+    def _parse(self, text: str) -> list[ToolCall] | None:
+        """The calls a JSON object (or list of them) describes; None if it is not one."""
+        try:
+            value = json.loads(text.strip())
+        except json.JSONDecodeError:
+            return None
+        items = value if isinstance(value, list) else [value]
+        calls = []
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                return None
+            arguments = item.get("arguments", item.get("parameters", {}))
+            calls.append(ToolCall(item["name"], arguments if isinstance(arguments, str) else json.dumps(arguments)))
+        self.calls += calls
+        return calls
+
+
+def detect_tool_family(chat_template: str) -> str:
+    """The tool-call format a chat template teaches its model."""
+    if "[TOOL_CALLS]" in chat_template:
+        return "mistral"
+    if "<|python_tag|>" in chat_template or "ipython" in chat_template:
+        return "llama3"
+    return "hermes"
+
+
+def detect_reasoning(chat_template: str, vocabulary: set[str]) -> tuple[str, str] | None:
+    """The reasoning markers a model uses, if any."""
+    for start, end in (("<think>", "</think>"), ("<thinking>", "</thinking>")):
+        if start in chat_template or start in vocabulary:
+            return start, end
+    return None
