@@ -6,6 +6,7 @@ Anthropic's request shape, stop reasons, SSE event sequence and error shape.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 
@@ -21,11 +22,14 @@ from gateway.anthropic_schema import (
     TextBlock,
     TextOut,
     ThinkingBlock,
+    ThinkingOut,
     ToolChoiceNone,
     ToolResultBlock,
     ToolUseBlock,
+    ToolUseOut,
     Usage,
 )
+from gateway.parsing import ReasoningSplitter, ToolCall, ToolCallParser
 from gateway.errors import APIError, anthropic_error_body, decode_body
 from gateway.serving import EventStream, Generation, Serving, collect
 from protocol import Sampling
@@ -90,14 +94,15 @@ class AnthropicAPI:
 
     async def _prompt(self, body: MessagesRequest | CountTokensRequest):
         worker = await self.serving.worker_for(body.model)
-        prompt = await self.serving.tokenize(
-            worker.tokenizer.encode_chat, chat_messages(body), tool_definitions(body)
+        template_kwargs = {"enable_thinking": body.thinking.type == "enabled"} if body.thinking else None
+        text, prompt = await self.serving.tokenize(
+            worker.tokenizer.chat_prompt, chat_messages(body), tool_definitions(body), template_kwargs
         )
-        return worker, prompt
+        return worker, text, prompt
 
     async def count_tokens(self, request: Request) -> Response:
         body: CountTokensRequest = decode_body(await self.serving.read_body(request), CountTokensRequest)
-        _, prompt = await self._prompt(body)
+        _, _, prompt = await self._prompt(body)
         return Response(_json.encode({"input_tokens": len(prompt)}), media_type="application/json")
 
     async def messages(self, request: Request) -> Response:
@@ -105,7 +110,7 @@ class AnthropicAPI:
         stops = body.stop_sequences or []
         if any(not s for s in stops):
             raise APIError(400, "stop_sequences must not be empty strings", param="stop_sequences")
-        worker, prompt = await self._prompt(body)
+        worker, prompt_text, prompt = await self._prompt(body)
         max_tokens = self.serving.max_tokens(prompt, body.max_tokens, worker, "messages")
         sampling = Sampling(
             max_tokens=max_tokens,
@@ -114,42 +119,65 @@ class AnthropicAPI:
             top_k=body.top_k or 0,
         )
         message_id = f"msg_{uuid.uuid4().hex}"
-        generation = self.serving.start(request, worker, message_id, prompt, [sampling], stops)
+        markers = worker.tokenizer.reasoning_markers
+        tools = tool_definitions(body) is not None
+        family = worker.tokenizer.tool_family
+
+        def parsers():
+            reasoning = None
+            if markers is not None:
+                reasoning = ReasoningSplitter(*markers, inside=prompt_text.rstrip().endswith(markers[0]))
+            return reasoning, ToolCallParser(family) if tools else None
+
+        generation = self.serving.start(request, worker, message_id, prompt, [sampling], stops, parsers)
+        single_call = bool(body.tool_choice and body.tool_choice.disable_parallel_tool_use)
         if body.stream:
-            return EventStream(self._events(generation, message_id, body.model), generation)
+            return EventStream(self._events(generation, message_id, body.model, single_call), generation)
         choices = await collect(request, generation, self.serving)
         if choices is None:
             return Response(status_code=499)  # nobody is listening
         (choice,) = choices
         self.serving.log_completion(message_id, [choice.text])
+        calls = choice.tool_calls[:1] if single_call else choice.tool_calls
+        content: list = [ThinkingOut(choice.reasoning)] if choice.reasoning else []
+        content += [TextOut(choice.text)] if choice.text.strip() or not (calls or content) else []
+        content += [ToolUseOut(tool_use_id(c), c.name, tool_input(c)) for c in calls]
         out = MessageOut(
             message_id,
             body.model,
-            [TextOut(choice.text)] if choice.text else [],
-            stop_reason(choice.finish_reason, choice.stop_string),
+            content,
+            "tool_use" if calls else stop_reason(choice.finish_reason, choice.stop_string),
             choice.stop_string,
             Usage(generation.group.prompt_tokens, generation.group.completion_tokens),
         )
         return Response(_json.encode(out), media_type="application/json")
 
-    async def _events(self, generation: Generation, message_id: str, model: str) -> AsyncIterator[bytes]:
+    async def _events(self, generation: Generation, message_id: str, model: str,
+                      single_call: bool) -> AsyncIterator[bytes]:
         group = generation.group
         start = MessageOut(message_id, model, [], None, None, Usage(group.prompt_tokens, 0))
         yield event("message_start", {"type": "message_start", "message": msgspec.to_builtins(start)})
-        yield event("content_block_start",
-                    {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
         yield event("ping", {"type": "ping"})
+        blocks = Blocks()
         reason = stop_string = None
+        calls = 0
         sent = []
         try:
             async for delta in generation.deltas():
                 if delta.error is not None:
                     yield event("error", anthropic_error_body(delta.error_status, delta.error))
                     return
-                if delta.text:
+                if delta.reasoning:
+                    for e in blocks.add("thinking", {"type": "thinking_delta", "thinking": delta.reasoning}):
+                        yield e
+                if delta.text and (delta.text.strip() or blocks.kind == "text"):
                     sent.append(delta.text)
-                    yield event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                        "delta": {"type": "text_delta", "text": delta.text}})
+                    for e in blocks.add("text", {"type": "text_delta", "text": delta.text}):
+                        yield e
+                for call in delta.tool_calls[: 1 - calls if single_call else None]:
+                    calls += 1
+                    for e in blocks.tool_use(call):
+                        yield e
                 if delta.finish_reason is not None:
                     reason, stop_string = stop_reason(delta.finish_reason, delta.stop_string), delta.stop_string
         except TimeoutError:
@@ -157,8 +185,61 @@ class AnthropicAPI:
             return
         finally:
             self.serving.log_completion(message_id, ["".join(sent)])
-        yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
+        for e in blocks.close(ensure_one=True):
+            yield e
         yield event("message_delta", {"type": "message_delta",
-                                      "delta": {"stop_reason": reason, "stop_sequence": stop_string},
+                                      "delta": {"stop_reason": "tool_use" if calls else reason,
+                                                "stop_sequence": stop_string},
                                       "usage": {"output_tokens": group.completion_tokens}})
         yield event("message_stop", {"type": "message_stop"})
+
+
+def tool_use_id(call: ToolCall) -> str:
+    return "toolu_" + call.id.removeprefix("call_")
+
+
+def tool_input(call: ToolCall) -> dict:
+    try:
+        value = json.loads(call.arguments)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class Blocks:
+    """The content blocks of a streamed message: one open at a time, in order."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind: str | None = None
+
+    def _start(self, kind: str, block: dict) -> bytes:
+        self.index += 1
+        self.kind = kind
+        return event("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
+
+    def close(self, ensure_one: bool = False) -> list[bytes]:
+        out = []
+        if self.kind is None and ensure_one and self.index < 0:
+            out.append(self._start("text", {"type": "text", "text": ""}))
+        if self.kind is not None:
+            out.append(event("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+            self.kind = None
+        return out
+
+    def add(self, kind: str, delta: dict) -> list[bytes]:
+        out = []
+        if self.kind != kind:
+            out += self.close()
+            empty = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
+            out.append(self._start(kind, empty))
+        out.append(event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}))
+        return out
+
+    def tool_use(self, call: ToolCall) -> list[bytes]:
+        out = self.close()
+        out.append(self._start("tool_use", {"type": "tool_use", "id": tool_use_id(call), "name": call.name, "input": {}}))
+        out.append(event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                 "delta": {"type": "input_json_delta", "partial_json": call.arguments}}))
+        out += self.close()
+        return out

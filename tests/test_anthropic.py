@@ -60,9 +60,25 @@ def test_stream_event_sequence(server):
                 names.append(line[7:])
             elif line.startswith("data: "):
                 assert json.loads(line[6:])["type"] == names[-1]
-    assert names[:3] == ["message_start", "content_block_start", "ping"]
-    assert set(names[3:-3]) == {"content_block_delta"}
-    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert_event_grammar(names)
+
+
+def assert_event_grammar(names: list[str]) -> None:
+    """message_start, then blocks (start, deltas, stop), then message_delta, message_stop; pings anywhere."""
+    names = [n for n in names if n != "ping"]
+    assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+    blocks = names[1:-2]
+    assert blocks and blocks[0] == "content_block_start" and blocks[-1] == "content_block_stop"
+    state = "closed"
+    for name in blocks:
+        if name == "content_block_start":
+            assert state == "closed"
+            state = "open"
+        elif name == "content_block_delta":
+            assert state == "open"
+        else:
+            assert name == "content_block_stop" and state == "open"
+            state = "closed"
 
 
 @pytest.mark.parametrize("stream", [False, True])
