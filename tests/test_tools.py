@@ -1,0 +1,183 @@
+"""Tool calls and reasoning, end to end, through scripted models that are certain to produce them."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import openai
+import pytest
+
+from tests.conftest import Server
+from tests.scripted_model import make_scripted_model
+from tests.test_anthropic import assert_event_grammar
+
+CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Weather in a city",
+                    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+SCRIPTS = {
+    "hermes": ("<tool_call>", ["Let me check.", "<tool_call>", "\n" + json.dumps(CALL) + "\n", "</tool_call>"]),
+    "hermes-two": ("<tool_call>", ["<tool_call>", json.dumps(CALL), "</tool_call>", "\n<tool_call>",
+                                   json.dumps({"name": "get_time", "arguments": {"zone": "CET"}}), " </tool_call>"]),
+    "mistral": ("[TOOL_CALLS]", ["[TOOL_CALLS]", json.dumps([CALL])]),
+    "llama3": ("<|python_tag|>", [json.dumps({"name": "get_weather", "parameters": {"city": "Paris"}})]),
+    "reasoning": ("<think>", ["<think>", "\nThe user wants the capital.\n", "</think>", "\n\nParis."]),
+}
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    servers = {}
+
+    def get(name: str) -> Server:
+        if name not in servers:
+            markers, script = SCRIPTS[name]
+            path = make_scripted_model(tmp_path_factory.mktemp(name) / "model", script, markers)
+            servers[name] = Server(["serve", "--model", str(path), "--served-model-name", "scripted"],
+                                   path.parent / "serve.log")
+            servers[name].wait_ready()
+        return servers[name]
+
+    yield get
+    for server in servers.values():
+        server.stop()
+
+
+def openai_client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def calls_of(message) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+
+
+def streamed(client, **kwargs):
+    """(content, reasoning, calls, finish_reason) assembled from stream deltas."""
+    content, reasoning, calls, finish = "", "", {}, None
+    for chunk in client.chat.completions.create(model="scripted", stream=True, **kwargs):
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            reasoning += getattr(delta, "reasoning_content", None) or ""
+            for call in delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"id": None, "name": "", "arguments": ""})
+                entry["id"] = call.id or entry["id"]
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, reasoning, [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())], finish
+
+
+@pytest.mark.parametrize("family", ["hermes", "mistral", "llama3"])
+def test_tool_calls_parsed_for_each_family(scripted, family):
+    client = openai_client(scripted(family))
+    response = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, temperature=0)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert calls_of(choice.message) == [("get_weather", {"city": "Paris"})]
+    assert choice.message.tool_calls[0].id.startswith("call_")
+    expected_content = "Let me check." if family == "hermes" else None
+    assert choice.message.content == expected_content
+    content, _, calls, finish = streamed(client, messages=ASK, tools=TOOLS, temperature=0)
+    assert calls == calls_of(choice.message)
+    assert (content or None) == expected_content
+    assert finish == "tool_calls"
+
+
+def test_tool_choice_none_leaves_text_alone(scripted):
+    client = openai_client(scripted("hermes"))
+    response = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, tool_choice="none",
+                                              temperature=0)
+    choice = response.choices[0]
+    assert choice.message.tool_calls is None
+    assert choice.finish_reason == "stop"
+    assert json.dumps(CALL) in choice.message.content
+
+
+def test_parallel_tool_calls(scripted):
+    client = openai_client(scripted("hermes-two"))
+    both = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, temperature=0)
+    assert [name for name, _ in calls_of(both.choices[0].message)] == ["get_weather", "get_time"]
+    one = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, temperature=0,
+                                         parallel_tool_calls=False)
+    assert [name for name, _ in calls_of(one.choices[0].message)] == ["get_weather"]
+    _, _, streamed_calls, _ = streamed(client, messages=ASK, tools=TOOLS, temperature=0)
+    assert streamed_calls == calls_of(both.choices[0].message)
+
+
+def test_tool_messages_round_trip(scripted):
+    server = scripted("hermes")
+    client = openai_client(server)
+    first = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"},
+    ]
+    second = client.chat.completions.create(model="scripted", messages=history, tools=TOOLS, temperature=0)
+    assert second.choices[0].finish_reason == "tool_calls"
+    # The tool's answer was rendered into the prompt.
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 5
+
+
+def test_reasoning_goes_to_reasoning_content(scripted):
+    client = openai_client(scripted("reasoning"))
+    message = client.chat.completions.create(model="scripted", messages=ASK, temperature=0).choices[0].message
+    assert message.content == "Paris."
+    assert message.reasoning_content == "The user wants the capital.\n"
+    content, reasoning, _, finish = streamed(client, messages=ASK, temperature=0)
+    assert (content, reasoning, finish) == ("Paris.", "The user wants the capital.\n", "stop")
+
+
+def test_chat_template_kwargs_pass_through(scripted):
+    client = openai_client(scripted("reasoning"))
+    response = client.chat.completions.create(model="scripted", messages=ASK, temperature=0,
+                                              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert response.choices[0].message.content == "Paris."
+
+
+def test_anthropic_tool_use(scripted):
+    client = anthropic.Anthropic(base_url=scripted("hermes").url, api_key="unused", max_retries=0)
+    message = client.messages.create(model="scripted", max_tokens=32, messages=ASK, tools=ANTHROPIC_TOOLS)
+    assert message.stop_reason == "tool_use"
+    assert [b.type for b in message.content] == ["text", "tool_use"]
+    assert message.content[0].text == "Let me check."
+    assert (message.content[1].name, message.content[1].input) == ("get_weather", {"city": "Paris"})
+    assert message.content[1].id.startswith("toolu_")
+    with client.messages.stream(model="scripted", max_tokens=32, messages=ASK, tools=ANTHROPIC_TOOLS) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use"
+    assert [(b.type, getattr(b, "input", None)) for b in final.content] == [("text", None), ("tool_use", {"city": "Paris"})]
+    follow_up = client.messages.create(model="scripted", max_tokens=32, tools=ANTHROPIC_TOOLS, messages=ASK + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": message.content[1].id, "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": message.content[1].id,
+                                      "content": "18 degrees"}]},
+    ])
+    assert follow_up.usage.input_tokens > message.usage.input_tokens + 5
+
+
+def test_anthropic_thinking_blocks(scripted):
+    server = scripted("reasoning")
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    message = client.messages.create(model="scripted", max_tokens=32, messages=ASK,
+                                     thinking={"type": "enabled", "budget_tokens": 1024})
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == "The user wants the capital.\n"
+    assert message.content[1].text == "Paris."
+    with client.messages.stream(model="scripted", max_tokens=32, messages=ASK) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    import httpx
+
+    names = []
+    body = {"model": "scripted", "max_tokens": 32, "messages": ASK, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=30) as r:
+        names = [line[7:] for line in r.iter_lines() if line.startswith("event: ")]
+    assert_event_grammar(names)
+    assert names.count("content_block_start") == 2
