@@ -23,7 +23,9 @@ from gateway.anthropic_schema import (
     TextOut,
     ThinkingBlock,
     ThinkingOut,
+    ToolChoiceAny,
     ToolChoiceNone,
+    ToolChoiceTool,
     ToolResultBlock,
     ToolUseBlock,
     ToolUseOut,
@@ -32,6 +34,7 @@ from gateway.anthropic_schema import (
 from gateway.parsing import ReasoningSplitter, ToolCall, ToolCallParser
 from gateway.errors import APIError, anthropic_error_body, decode_body
 from gateway.serving import EventStream, Generation, Serving, collect
+from gateway.structured import forced_tool_call_grammar
 from protocol import Sampling
 
 _json = msgspec.json.Encoder()
@@ -81,11 +84,20 @@ def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[dict]:
 
 
 def tool_definitions(body: MessagesRequest | CountTokensRequest) -> list[dict] | None:
-    """The tools in OpenAI's function shape, which chat templates expect (none with tool_choice none)."""
+    """The tools in OpenAI's function shape, which chat templates expect: none with
+    tool_choice none, only the named one with tool_choice tool."""
     if not body.tools or isinstance(body.tool_choice, ToolChoiceNone):
+        if isinstance(body.tool_choice, (ToolChoiceAny, ToolChoiceTool)):
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
         return None
-    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                              "parameters": t.input_schema}} for t in body.tools]
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                               "parameters": t.input_schema}} for t in body.tools]
+    if isinstance(body.tool_choice, ToolChoiceTool):
+        tools = [t for t in tools if t["function"]["name"] == body.tool_choice.name]
+        if not tools:
+            raise APIError(400, f"tool_choice names {body.tool_choice.name!r}, which is not among the tools",
+                           param="tool_choice")
+    return tools
 
 
 class AnthropicAPI:
@@ -112,11 +124,13 @@ class AnthropicAPI:
             raise APIError(400, "stop_sequences must not be empty strings", param="stop_sequences")
         worker, prompt_text, prompt = await self._prompt(body)
         max_tokens = self.serving.max_tokens(prompt, body.max_tokens, worker, "messages")
+        forced = isinstance(body.tool_choice, (ToolChoiceAny, ToolChoiceTool))
         sampling = Sampling(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=body.top_k or 0,
+            grammar=forced_tool_call_grammar(tool_definitions(body), worker.tokenizer.tool_family) if forced else None,
         )
         message_id = f"msg_{uuid.uuid4().hex}"
         markers = worker.tokenizer.reasoning_markers

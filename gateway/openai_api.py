@@ -37,6 +37,8 @@ from gateway.openai_schema import (
     Model,
     ModelList,
     NamedToolChoice,
+    ResponseFormatJSONObject,
+    ResponseFormatJSONSchema,
     ToolCallDelta,
     ToolCallOut,
     TopLogprob,
@@ -44,6 +46,7 @@ from gateway.openai_schema import (
 )
 from gateway.parsing import ReasoningSplitter, ToolCall, ToolCallParser
 from gateway.serving import Choice, EventStream, Generation, Serving, collect
+from gateway.structured import forced_tool_call_grammar, json_schema_grammar
 from protocol import Sampling
 
 _json = msgspec.json.Encoder()
@@ -54,7 +57,8 @@ def sse(payload) -> bytes:
     return b"data: " + _json.encode(payload) + b"\n\n"
 
 
-def samplings(body: GenerationRequest, max_tokens: int, logprobs: int | None, vocab_size: int) -> list[Sampling]:
+def samplings(body: GenerationRequest, max_tokens: int, logprobs: int | None, vocab_size: int,
+              grammar: str | None = None) -> list[Sampling]:
     """One Sampling per choice; with a seed, choice i samples with seed + i."""
     bias = {}
     for key, value in (body.logit_bias or {}).items():
@@ -75,6 +79,7 @@ def samplings(body: GenerationRequest, max_tokens: int, logprobs: int | None, vo
         repetition_penalty=body.repetition_penalty or 1.0,
         logit_bias=bias,
         logprobs=logprobs,
+        grammar=grammar,
     )
     n = body.n or 1
     if body.seed is None:
@@ -124,6 +129,23 @@ def tool_definitions(body: ChatCompletionRequest) -> list[dict] | None:
     return tools
 
 
+def chat_grammar(body: ChatCompletionRequest, tools: list[dict] | None, family: str) -> str | None:
+    """The grammar a chat request's output must follow: its response_format, or a
+    forced tool call (tool_choice "required" or a named function)."""
+    forced = body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice)
+    structured = isinstance(body.response_format, (ResponseFormatJSONObject, ResponseFormatJSONSchema))
+    if forced and structured:
+        raise APIError(400, "a forced tool_choice and a JSON response_format cannot both constrain the output",
+                       param="response_format")
+    if forced:
+        return forced_tool_call_grammar(tools, family)
+    if isinstance(body.response_format, ResponseFormatJSONSchema):
+        return json_schema_grammar(body.response_format.json_schema.schema)
+    if isinstance(body.response_format, ResponseFormatJSONObject):
+        return json_schema_grammar(None)
+    return None
+
+
 def check_stop(body: GenerationRequest) -> list[str]:
     stops = body.stop_strings()
     if any(not s for s in stops):
@@ -169,6 +191,7 @@ class OpenAIAPI:
         output = ChatOutput(body.model, parallel_tool_calls=body.parallel_tool_calls is not False)
         markers = worker.tokenizer.reasoning_markers
         family = worker.tokenizer.tool_family
+        grammar = chat_grammar(body, tools, family)
 
         def parsers():
             reasoning = None
@@ -177,8 +200,8 @@ class OpenAIAPI:
             return reasoning, ToolCallParser(family) if tools else None
 
         generation = self.serving.start(
-            request, worker, output.id, prompt, samplings(body, max_tokens, logprobs, worker.hello.vocab_size), stop,
-            parsers,
+            request, worker, output.id, prompt,
+            samplings(body, max_tokens, logprobs, worker.hello.vocab_size, grammar), stop, parsers,
         )
         return await self.respond(request, body, generation, output)
 

@@ -112,6 +112,28 @@ class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
     function: NamedFunction
 
 
+class ResponseFormatText(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+    pass
+
+
+class ResponseFormatJSONObject(msgspec.Struct, tag_field="type", tag="json_object", forbid_unknown_fields=True):
+    pass
+
+
+class JSONSchemaSpec(msgspec.Struct, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormatJSONSchema(msgspec.Struct, tag_field="type", tag="json_schema", forbid_unknown_fields=True):
+    json_schema: JSONSchemaSpec
+
+
+ResponseFormat = ResponseFormatText | ResponseFormatJSONObject | ResponseFormatJSONSchema
+
+
 class ChatCompletionRequest(GenerationRequest):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     tools: list[ToolDef] | None = None
@@ -119,6 +141,7 @@ class ChatCompletionRequest(GenerationRequest):
     parallel_tool_calls: bool | None = None
     # Passed to the chat template, e.g. {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1, le=MAX_INT)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None

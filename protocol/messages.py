@@ -39,6 +39,8 @@ class Sampling(msgspec.Struct, array_like=True):
     logit_bias: dict[int, float] = {}
     # None: no logprobs; k >= 0: the chosen token's logprob and the k most likely.
     logprobs: int | None = None
+    # An llguidance grammar (JSON) the output must follow: structured output.
+    grammar: str | None = None
 
 
 # ---- gateway -> worker ------------------------------------------------------

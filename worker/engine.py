@@ -12,6 +12,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import make_logits_processors
 
 from protocol import AddRequest, RequestOutput, TokenLogprob
+from worker.grammar import GrammarError, Grammars
 from worker.sampling import make_sampler
 
 MAX_TOP_LOGPROBS = 20
@@ -32,7 +33,9 @@ class Engine:
         capacity: int,
         prefill_batch_size: int,
         prefill_step_size: int,
+        grammars: Grammars | None = None,
     ) -> None:
+        self.grammars = grammars
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.context_length = context_length
@@ -103,6 +106,13 @@ class Engine:
             frequency_penalty=s.frequency_penalty or None,
             frequency_context_size=self.context_length,
         )
+        if s.grammar is not None:
+            if self.grammars is None:
+                raise InvalidRequest("this worker cannot follow grammars")
+            try:
+                processors.append(self.grammars.processor(s.grammar))
+            except GrammarError as e:
+                raise InvalidRequest(f"unusable grammar: {e}") from None
         (uid,) = self._generator.insert(
             [request.prompt_token_ids],
             max_tokens=[max_tokens],

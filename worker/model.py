@@ -39,6 +39,7 @@ class LoadedModel:
     model: nn.Module
     name: str
     path: Path
+    hf_tokenizer: object
     eos_token_ids: list[int]
     vocab_size: int
     context_length: int
@@ -99,6 +100,7 @@ def load_model(spec: str, context_length: int | None = None, cpu_dequantize: boo
         model=model,
         name=name,
         path=path,
+        hf_tokenizer=tokenizer._tokenizer,
         eos_token_ids=sorted(tokenizer.eos_token_ids),
         vocab_size=config["vocab_size"],
         context_length=min(context_length, model_context) if context_length else model_context,

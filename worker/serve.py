@@ -36,6 +36,7 @@ from protocol import (
 )
 from worker.audit import AffinityAudit
 from worker.engine import Engine, InvalidRequest
+from worker.grammar import Grammars
 from worker.heartbeat import HeartbeatThread
 from worker.transport import TransportError, connect
 from worker.model import load_model
@@ -197,6 +198,7 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         capacity=settings.max_batch,
         prefill_batch_size=settings.prefill_batch,
         prefill_step_size=settings.prefill_chunk,
+        grammars=Grammars(loaded.hf_tokenizer, loaded.vocab_size, loaded.eos_token_ids),
     )
     hello = Hello(
         protocol_version=PROTOCOL_VERSION,

@@ -1,0 +1,122 @@
+"""Structured output and forced tool calls, enforced by the grammar engine in the worker.
+
+The tiny model has random weights, so whatever parses and validates here does
+so because decoding was constrained, not because the model knew better.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import jsonschema
+import openai
+import pytest
+
+from tests.conftest import MODEL_NAME
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "temperature": {"type": "integer", "minimum": -50, "maximum": 60},
+        "sunny": {"type": "boolean"},
+        "wind": {"enum": ["none", "light", "strong"]},
+    },
+    "required": ["city", "temperature", "sunny", "wind"],
+    "additionalProperties": False,
+}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+    "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def json_schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema, "strict": True}}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_json_schema_output_validates(client, seed):
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=ASK, max_tokens=120, temperature=1.0, seed=seed,
+        response_format=json_schema_format(SCHEMA),
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_json_schema_streamed(client):
+    chunks = client.chat.completions.create(
+        model=MODEL_NAME, messages=ASK, max_tokens=120, temperature=0, stream=True,
+        response_format=json_schema_format(SCHEMA),
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_json_object_output_parses(client):
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=ASK, max_tokens=200, temperature=0, response_format={"type": "json_object"}
+    )
+    assert isinstance(json.loads(response.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("schema", [{"$ref": "#/definitions/nowhere"}, {"type": "integer", "minimum": "low"},
+                                    {"type": "object", "properties": {"a": {"type": "strange"}}}])
+def test_unsupported_schema_is_a_400(server, schema):
+    response = server.http.post("/v1/chat/completions", json={
+        "model": MODEL_NAME, "messages": ASK, "response_format": json_schema_format(schema)})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "unsupported_schema"
+
+
+def test_tool_choice_required_forces_a_valid_call(client):
+    response = client.chat.completions.create(model=MODEL_NAME, messages=ASK, max_tokens=120, temperature=0,
+                                              tools=[WEATHER, TIME], tool_choice="required")
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    tool = {t["function"]["name"]: t for t in (WEATHER, TIME)}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_named_tool_choice_forces_that_tool(client):
+    for stream in (False, True):
+        kwargs = dict(model=MODEL_NAME, messages=ASK, max_tokens=120, temperature=0, tools=[WEATHER, TIME],
+                      tool_choice={"type": "function", "function": {"name": "get_time"}})
+        if stream:
+            deltas = [d for c in client.chat.completions.create(stream=True, **kwargs) if c.choices
+                      for d in c.choices[0].delta.tool_calls or []]
+            name, arguments = deltas[0].function.name, deltas[0].function.arguments
+        else:
+            call = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+            name, arguments = call.function.name, call.function.arguments
+        assert name == "get_time"
+        assert json.loads(arguments)["zone"] in ("UTC", "CET")
+
+
+def test_anthropic_tool_choice_any_forces_tool_use(server):
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    tools = [{"name": "get_time", "input_schema": TIME["function"]["parameters"]}]
+    message = client.messages.create(model=MODEL_NAME, max_tokens=120, messages=ASK, tools=tools,
+                                     tool_choice={"type": "any"}, extra_body={"temperature": 0})
+    assert message.stop_reason == "tool_use"
+    (block,) = [b for b in message.content if b.type == "tool_use"]
+    assert block.name == "get_time" and block.input["zone"] in ("UTC", "CET")
+
+
+def test_forced_tool_and_json_format_conflict(server):
+    response = server.http.post("/v1/chat/completions", json={
+        "model": MODEL_NAME, "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
+        "response_format": {"type": "json_object"}})
+    assert response.status_code == 400

@@ -1,0 +1,58 @@
+"""Structured output in the worker: an llguidance grammar masks each step's logits.
+
+The gateway turns response_format (or a forced tool call) into an llguidance
+grammar and validates it; the worker keeps one matcher per request and, as a
+logits processor on the main thread, lets through only the tokens the grammar
+allows next. llguidance rather than xgrammar: xgrammar requires PyTorch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import llguidance
+import llguidance.hf
+import mlx.core as mx
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+
+class GrammarError(ValueError):
+    pass
+
+
+class Grammars:
+    """Matchers for one model. Building its llguidance tokenizer takes about a
+    second, so that happens on the first constrained request, not at start-up."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._hf_tokenizer = hf_tokenizer
+        self._vocab_size = vocab_size
+        self._eos = eos_token_ids
+        self._tokenizer: llguidance.LLTokenizer | None = None
+
+    def processor(self, grammar: str):
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos[0] if self._eos else None
+            )
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return GrammarProcessor(matcher, self._vocab_size)
+
+
+class GrammarProcessor:
+    """A logits processor (mlx-lm's signature: (tokens so far, logits) -> logits)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        self._matcher = matcher
+        self._bitmask = allocate_token_bitmask(1, vocab_size)
+        self._started = False
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self._started:
+            # The last token of the context is the one sampled at the previous step.
+            self._matcher.consume_token(tokens[-1].item())
+        self._started = True
+        fill_next_token_bitmask(self._matcher, self._bitmask, 0)
+        allowed = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: logits.shape[-1]]
+        return mx.where(mx.array(allowed.astype(bool)), logits, -mx.inf)
