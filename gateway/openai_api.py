@@ -376,15 +376,15 @@ class CompletionOutput(_Output):
         return None
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, logprobs: list[TokenInfo]):
-        return Completion(self.id, self.created, self.model, [
+        return Completion(self.id, "text_completion", self.created, self.model, [
             CompletionChoice(index, text or "", finish_reason, self._logprobs(logprobs) if logprobs else None)
         ])
 
     def usage_chunk(self, usage: Usage) -> Completion:
-        return Completion(self.id, self.created, self.model, [], usage)
+        return Completion(self.id, "text_completion", self.created, self.model, [], usage)
 
     def response(self, choices: list[Choice], usage: Usage) -> Completion:
-        return Completion(self.id, self.created, self.model, [
+        return Completion(self.id, "text_completion", self.created, self.model, [
             CompletionChoice(i, c.text, c.finish_reason, self._logprobs(c.logprobs) if c.logprobs else None)
             for i, c in enumerate(choices)
         ], usage)

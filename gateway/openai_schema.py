@@ -156,10 +156,15 @@ class CompletionRequest(GenerationRequest):
 # ---- responses --------------------------------------------------------------
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0  # tokens whose KV state was reused from the prefix cache
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
 
 
 class TopLogprob(msgspec.Struct):
@@ -264,13 +269,15 @@ class CompletionChoice(msgspec.Struct):
     logprobs: CompletionLogprobs | None = None
 
 
-class Completion(msgspec.Struct):
+class Completion(msgspec.Struct, omit_defaults=True):
+    """A completion, or one chunk of a streamed one (which has no usage but the last)."""
+
     id: str
+    object: str
     created: int
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
-    object: str = "text_completion"
 
 
 class Model(msgspec.Struct):
