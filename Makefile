@@ -43,6 +43,7 @@ bench: install model
 	$(PY) -m tests.bench.serve_speed
 	$(PY) -m tests.bench.restart --signal KILL
 	$(PY) -m tests.bench.restart --signal TERM
+	$(PY) -m tests.bench.grammar_overhead
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
