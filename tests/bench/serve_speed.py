@@ -45,6 +45,9 @@ def start(model: str, env: dict) -> tuple[subprocess.Popen, str, float]:
     while True:
         if proc.poll() is not None:
             raise SystemExit(f"mlxd serve exited with {proc.returncode}")
+        if time.monotonic() - started > 600:
+            proc.terminate()
+            raise SystemExit("mlxd serve had no ready worker after 600 s (a bad --model?)")
         try:
             if httpx.get(url + "/health").json()["worker"]["ready"]:
                 return proc, url, time.monotonic() - started
