@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from gateway.errors import APIError, api_error_handler, http_error_handler, internal_error_handler
 from gateway.anthropic_api import AnthropicAPI
+from gateway.metrics import RequestCounter
 from gateway.openai_api import OpenAIAPI
 from gateway.serving import Serving
 from gateway.security import Guard, KeyRing, check_bind_policy
@@ -60,6 +61,10 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
             body["supervisor"] = supervisor.status()
         return _json(body)
 
+    async def metrics(_request: Request) -> Response:
+        text = serving.metrics.render(link.status(), supervisor.status() if supervisor else None)
+        return Response(text, media_type="text/plain; version=0.0.4")
+
     async def ready(_request: Request) -> Response:
         if link.ready and not serving.draining:
             return _json({"ready": True})
@@ -98,6 +103,7 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/models", api.models, methods=["GET"]),
             Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
             Route("/v1/completions", api.completions, methods=["POST"]),
@@ -114,6 +120,7 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
             *([Middleware(CORSMiddleware, allow_origins=settings.cors_origin, allow_methods=["GET", "POST"],
                           allow_headers=["Authorization", "Content-Type", "x-api-key"])]
               if settings.cors_origin else []),
+            Middleware(RequestCounter, metrics=serving.metrics),
             Middleware(Guard, settings=settings, keys=keys),
         ],
         lifespan=lifespan,

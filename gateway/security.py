@@ -9,6 +9,7 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import time
 from pathlib import Path
 
 from gateway.errors import error_payload
@@ -107,6 +108,7 @@ class Guard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["arrived"] = time.monotonic()
         headers = dict(scope["headers"])
         if self.loopback and not self.keys.enabled and not self._host_allowed(headers.get(b"host", b"")):
             # A web page on another name that resolves to 127.0.0.1 must not

@@ -20,6 +20,7 @@ from starlette.responses import StreamingResponse
 
 from gateway.errors import APIError
 from gateway.generation import RequestGroup, RequestStream, TokenInfo
+from gateway.metrics import Metrics
 from gateway.parsing import ToolCall
 from gateway.settings import GatewaySettings
 from gateway.tokenizer import PromptError
@@ -73,14 +74,28 @@ class Admission:
 class Generation:
     """One admitted API request running in the worker: its streams, its deadline, its cleanup."""
 
-    def __init__(self, group: RequestGroup, link: WorkerLink, release, deadline: float | None) -> None:
+    def __init__(self, group: RequestGroup, link: WorkerLink, release, deadline: float | None,
+                 metrics: Metrics, arrived: float) -> None:
         self.group = group
         self.deadline = deadline
         self._link = link
         self._release = release
+        self._metrics = metrics
+        self._arrived = arrived
+        self._closed = False
 
-    def deltas(self):
-        return self.group.deltas(self.deadline)
+    async def deltas(self):
+        """The group's Deltas, timed for /metrics (time to first token, inter-token latency)."""
+        last: dict[int, float] = {}
+        async for delta in self.group.deltas(self.deadline):
+            if delta.text or delta.reasoning or delta.tool_calls:
+                now = time.monotonic()
+                if delta.index in last:
+                    self._metrics.inter_token_latency.observe(now - last[delta.index])
+                else:
+                    self._metrics.time_to_first_token.observe(now - self._arrived)
+                last[delta.index] = now
+            yield delta
 
     def close(self) -> None:
         """However the request ended: free its admission, abort what still runs. Idempotent."""
@@ -88,6 +103,10 @@ class Generation:
         for stream in self.group.streams:
             if not stream.finished:
                 self._link.abort(stream.request_id)
+        if not self._closed:
+            self._closed = True
+            self._metrics.prompt_tokens += self.group.prompt_tokens
+            self._metrics.generation_tokens += self.group.completion_tokens
 
 
 class EventStream(StreamingResponse):
@@ -115,6 +134,7 @@ class Serving:
         self.started = int(time.time())
         self.draining = False  # set on SIGTERM: no new requests
         self.admission = Admission(settings.max_inflight, settings.max_inflight_per_key)
+        self.metrics = Metrics()
 
     async def read_body(self, request: Request) -> bytes:
         """The body, within --max-body-bytes (413) and --body-timeout-s (408)."""
@@ -207,7 +227,8 @@ class Serving:
         ])
         timeout = self.settings.request_timeout_s
         deadline = asyncio.get_running_loop().time() + timeout if timeout else None
-        generation = Generation(group, self.link, release, deadline)
+        arrived = request.scope["state"].get("arrived", time.monotonic())
+        generation = Generation(group, self.link, release, deadline, self.metrics, arrived)
         try:
             for stream in group.streams:
                 self.link.submit(stream)

@@ -1,0 +1,41 @@
+"""GET /metrics in Prometheus' text format, counting what really happened."""
+
+from __future__ import annotations
+
+import re
+
+from tests.conftest import MODEL_NAME
+
+LINE = re.compile(r'^[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? -?[0-9.e+-]+$|^# (HELP|TYPE) .+$')
+
+
+def scrape(server) -> dict[str, float]:
+    text = server.http.get("/metrics").text
+    samples = {}
+    for line in text.strip().splitlines():
+        assert LINE.match(line), line
+        if not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_metrics_count_requests_tokens_and_latencies(server):
+    before = scrape(server)
+    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    for _ in range(3):
+        assert server.http.post("/v1/completions", json=body).status_code == 200
+    assert server.http.post("/v1/completions", json=dict(body, model="nope")).status_code == 404
+    after = scrape(server)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert grew('mlxd_requests_total{endpoint="/v1/completions",status="200"}') == 3
+    assert grew('mlxd_requests_total{endpoint="/v1/completions",status="404"}') == 1
+    assert grew("mlxd_generation_tokens_total") == 18
+    assert grew("mlxd_time_to_first_token_seconds_count") == 3
+    assert grew("mlxd_inter_token_latency_seconds_count") >= 3
+    assert after['mlxd_time_to_first_token_seconds_bucket{le="+Inf"}'] == after["mlxd_time_to_first_token_seconds_count"]
+    assert after["mlxd_worker_ready"] == 1
+    assert after["mlxd_worker_epoch"] == float(server.health()["worker"]["epoch"])
