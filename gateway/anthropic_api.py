@@ -162,7 +162,8 @@ class AnthropicAPI:
             content,
             "tool_use" if calls else stop_reason(choice.finish_reason, choice.stop_string),
             choice.stop_string,
-            Usage(generation.group.prompt_tokens, generation.group.completion_tokens),
+            Usage(generation.group.prompt_tokens, generation.group.completion_tokens,
+                  cache_read_input_tokens=generation.group.cached_tokens),
         )
         return Response(_json.encode(out), media_type="application/json")
 

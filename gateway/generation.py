@@ -93,6 +93,7 @@ class RequestStream:
         # can continue on the next one from exactly where they were.
         self.generated: list[int] = []
         self.worker_losses = 0
+        self.cached_tokens = 0  # prompt tokens the worker took from its prefix cache
         self.tokenizer_digest = tokenizer.digest  # a request resumes only on the same model
         self.finished = False
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()  # the group's, once grouped
@@ -108,6 +109,8 @@ class RequestStream:
         if self._rendered_final:
             return None
         token_ids = output.token_ids
+        if output.cached_tokens is not None and not self.generated:
+            self.cached_tokens = output.cached_tokens
         self.generated += token_ids
         if output.finish_reason == "stop":
             token_ids = token_ids[:-1]
@@ -171,6 +174,10 @@ class RequestGroup:
     @property
     def completion_tokens(self) -> int:
         return sum(s.completion_tokens for s in self.streams)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.streams[0].cached_tokens
 
     @property
     def finished(self) -> bool:

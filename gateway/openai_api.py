@@ -37,6 +37,7 @@ from gateway.openai_schema import (
     Model,
     ModelList,
     NamedToolChoice,
+    PromptTokensDetails,
     ResponseFormatJSONObject,
     ResponseFormatJSONSchema,
     ToolCallDelta,
@@ -272,7 +273,8 @@ class OpenAIAPI:
 
 def _usage(generation: Generation) -> Usage:
     group = generation.group
-    return Usage(group.prompt_tokens, group.completion_tokens, group.prompt_tokens + group.completion_tokens)
+    return Usage(group.prompt_tokens, group.completion_tokens, group.prompt_tokens + group.completion_tokens,
+                 PromptTokensDetails(group.cached_tokens))
 
 
 def _token_bytes(text: str) -> list[int]:

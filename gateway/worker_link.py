@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -46,6 +47,7 @@ from protocol import (
     Goodbye,
     Heartbeat,
     Hello,
+    PrefixCacheStats,
     ProtocolError,
     Refused,
     StepOutput,
@@ -81,6 +83,7 @@ class WorkerState:
     running: int = 0
     waiting: int = 0
     affinity: AffinityReport | None = None
+    prefix_cache: PrefixCacheStats | None = None
     draining: bool = False
 
 
@@ -211,6 +214,8 @@ class WorkerLink:
                 last_heartbeat_s=round(now - w.last_beat, 3),
                 up_s=round(now - w.accepted_at, 1),
             )
+            if w.prefix_cache is not None:
+                state["prefix_cache"] = msgspec.structs.asdict(w.prefix_cache)
             if w.affinity is not None:
                 state["affinity"] = {
                     "evaluations": w.affinity.evaluations,
@@ -329,6 +334,7 @@ class WorkerLink:
         if beat.step != w.steps or beat.running == 0:
             w.last_progress = now
         w.steps, w.running, w.waiting, w.affinity = beat.step, beat.running, beat.waiting, beat.affinity
+        w.prefix_cache = beat.prefix_cache
         self._assess(w)
 
     def _assess(self, w: WorkerState) -> None:

@@ -117,6 +117,8 @@ class RequestOutput(msgspec.Struct, array_like=True):
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
+    # On a request's first output: how many prompt tokens came from the prefix cache.
+    cached_tokens: int | None = None
 
 
 class StepOutput(_Message, tag="step"):
@@ -133,6 +135,13 @@ class AffinityReport(msgspec.Struct, array_like=True):
     off_main_thread: int
 
 
+class PrefixCacheStats(msgspec.Struct, array_like=True):
+    hits: int
+    cached_tokens: int  # prompt tokens whose KV state was reused, in total
+    bytes: int
+    entries: int
+
+
 class Heartbeat(_Message, tag="heartbeat"):
     """Sent at a fixed interval by a thread of its own (which never touches
     MLX), so a worker whose main thread is stuck in one step still beats but
@@ -143,6 +152,7 @@ class Heartbeat(_Message, tag="heartbeat"):
     running: int
     waiting: int
     affinity: AffinityReport | None = None
+    prefix_cache: PrefixCacheStats | None = None
 
 
 class Draining(_Message, tag="draining"):

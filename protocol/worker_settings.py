@@ -36,6 +36,9 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
         bool,
         Meta(description="on MLX's CPU backend, run quantized models as float32 (much faster with BLAS)"),
     ] = True
+    prefix_cache_bytes: Annotated[
+        int, Meta(ge=0, description="memory for KV state kept to reuse shared prompt prefixes; 0 turns it off")
+    ] = 1 << 30
     heartbeat_s: Annotated[float, Meta(gt=0, description="seconds between heartbeats")] = 0.5
     drain_s: Annotated[
         float,

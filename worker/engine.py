@@ -13,6 +13,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from protocol import AddRequest, RequestOutput, TokenLogprob
 from worker.grammar import GrammarError, Grammars
+from worker.prefix_cache import PrefixCache
 from worker.sampling import make_sampler
 
 MAX_TOP_LOGPROBS = 20
@@ -34,8 +35,10 @@ class Engine:
         prefill_batch_size: int,
         prefill_step_size: int,
         grammars: Grammars | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.grammars = grammars
+        self.prefix_cache = prefix_cache
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.context_length = context_length
@@ -51,6 +54,7 @@ class Engine:
         self._request_of: dict[int, str] = {}
         self._waiting: set[str] = set()
         self._top_logprobs: dict[str, int] = {}  # requests that want logprobs, and how many alternatives
+        self._cached_tokens: dict[str, int] = {}  # to report on each request's first output
 
     @property
     def has_work(self) -> bool:
@@ -113,8 +117,12 @@ class Engine:
                 processors.append(self.grammars.processor(s.grammar))
             except GrammarError as e:
                 raise InvalidRequest(f"unusable grammar: {e}") from None
+        prompt = request.prompt_token_ids
+        cache, reused = self.prefix_cache.take(prompt) if self.prefix_cache else (None, 0)
         (uid,) = self._generator.insert(
-            [request.prompt_token_ids],
+            [prompt[reused:]],
+            caches=[cache],
+            all_tokens=[prompt[:reused]],
             max_tokens=[max_tokens],
             samplers=[make_sampler(s)],
             logits_processors=[processors],
@@ -123,6 +131,7 @@ class Engine:
         self._uid_of[request.request_id] = uid
         self._request_of[uid] = request.request_id
         self._waiting.add(request.request_id)
+        self._cached_tokens[request.request_id] = reused
         if s.logprobs is not None:
             self._top_logprobs[request.request_id] = s.logprobs
 
@@ -130,7 +139,9 @@ class Engine:
         """Drop requests; unknown or finished ids are ignored (aborts are idempotent)."""
         uids = [self._uid_of[r] for r in request_ids if r in self._uid_of]
         if uids:
-            self._generator.remove(uids)
+            caches = self._generator.remove(uids, return_prompt_caches=self.prefix_cache is not None)
+            for cache, tokens in caches.values():
+                self.prefix_cache.keep(tokens, cache)
         for uid in uids:
             self._forget(uid)
 
@@ -144,6 +155,7 @@ class Engine:
         del self._uid_of[request_id]
         self._waiting.discard(request_id)
         self._top_logprobs.pop(request_id, None)
+        self._cached_tokens.pop(request_id, None)
 
     def step(self) -> list[RequestOutput]:
         """One continuous-batching step: a prefill chunk and/or one decode token each."""
@@ -156,10 +168,13 @@ class Engine:
         for r in generation_responses:
             request_id = self._request_of[r.uid]
             self._waiting.discard(request_id)
-            outputs.append(RequestOutput(request_id, [r.token], r.finish_reason))
+            outputs.append(RequestOutput(request_id, [r.token], r.finish_reason,
+                                         cached_tokens=self._cached_tokens.pop(request_id, None)))
             if (k := self._top_logprobs.get(request_id)) is not None:
                 wanted.append((outputs[-1], r, k))
             if r.finish_reason is not None:
+                if self.prefix_cache is not None:
+                    self.prefix_cache.keep(r.all_tokens, r.prompt_cache)
                 self._forget(r.uid)
         if wanted:
             self._attach_logprobs(wanted)

@@ -38,6 +38,7 @@ from worker.audit import AffinityAudit
 from worker.engine import Engine, InvalidRequest
 from worker.grammar import Grammars
 from worker.heartbeat import HeartbeatThread
+from worker.prefix_cache import PrefixCache
 from worker.transport import TransportError, connect
 from worker.model import load_model
 from worker.model_source import ModelNotFound
@@ -131,6 +132,7 @@ class Worker:
             running=self.engine.running,
             waiting=self.engine.waiting,
             affinity=self.audit.report() if self.audit else None,
+            prefix_cache=self.engine.prefix_cache.stats() if self.engine.prefix_cache else None,
         )
 
     def drain(self, drain_s: float) -> None:
@@ -199,6 +201,7 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         prefill_batch_size=settings.prefill_batch,
         prefill_step_size=settings.prefill_chunk,
         grammars=Grammars(loaded.hf_tokenizer, loaded.vocab_size, loaded.eos_token_ids),
+        prefix_cache=PrefixCache(settings.prefix_cache_bytes) if settings.prefix_cache_bytes else None,
     )
     hello = Hello(
         protocol_version=PROTOCOL_VERSION,
