@@ -3,6 +3,8 @@ never changes the output."""
 
 from __future__ import annotations
 
+import time
+
 import anthropic
 import openai
 import pytest
@@ -62,8 +64,11 @@ def test_cache_stats_in_health_and_anthropic_usage(server):
     client.messages.create(**body)
     again = client.messages.create(**body)
     assert again.usage.cache_read_input_tokens > 0
-    stats = server.health()["worker"]["prefix_cache"]
-    assert stats["hits"] > before and stats["bytes"] > 0 and stats["entries"] > 0
+    deadline = time.monotonic() + 3
+    while (stats := server.health()["worker"]["prefix_cache"])["hits"] <= before:  # the next heartbeat has it
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.02)
+    assert stats["bytes"] > 0 and stats["entries"] > 0
 
 
 def test_cache_can_be_turned_off(tiny_model, tmp_path):
