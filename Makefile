@@ -40,6 +40,8 @@ test: install model
 	$(PY) -m pytest -q
 
 bench: install model
+	$(PY) -m tests.bench.harness --write
+	$(PY) -m tests.bench.prefix_cache
 	$(PY) -m tests.bench.serve_speed
 	$(PY) -m tests.bench.restart --signal KILL
 	$(PY) -m tests.bench.restart --signal TERM
