@@ -61,6 +61,11 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
             body["supervisor"] = supervisor.status()
         return _json(body)
 
+    async def cancel(request: Request) -> Response:
+        request_id = request.path_params["request_id"]
+        serving.cancel(request, request_id)
+        return _json({"id": request_id, "cancelled": True})
+
     async def metrics(_request: Request) -> Response:
         text = serving.metrics.render(link.status(), supervisor.status() if supervisor else None)
         return Response(text, media_type="text/plain; version=0.0.4")
@@ -109,6 +114,7 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
             Route("/v1/completions", api.completions, methods=["POST"]),
             Route("/v1/messages", anthropic.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
+            Route("/v1/requests/{request_id}/cancel", cancel, methods=["POST"]),
         ],
         exception_handlers={
             APIError: api_error_handler,

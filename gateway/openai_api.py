@@ -46,7 +46,7 @@ from gateway.openai_schema import (
     Usage,
 )
 from gateway.parsing import ReasoningSplitter, ToolCall, ToolCallParser
-from gateway.serving import Choice, EventStream, Generation, Serving, collect
+from gateway.serving import Choice, EventStream, Generation, Serving, collect, error_type
 from gateway.structured import forced_tool_call_grammar, json_schema_grammar
 from protocol import Sampling
 
@@ -251,7 +251,7 @@ class OpenAIAPI:
             try:
                 async for delta in generation.deltas():
                     if delta.error is not None:
-                        yield sse(error_body(delta.error, "server_error"))
+                        yield sse(error_body(delta.error, error_type(delta.error_status)))
                         break
                     if delta.reasoning:
                         yield sse(output.reasoning_chunk(delta.index, delta.reasoning))

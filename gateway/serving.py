@@ -30,6 +30,14 @@ from protocol import Sampling
 log = logging.getLogger("mlxd.gateway.api")
 
 
+ERROR_TYPES = {499: "cancelled", 503: "service_unavailable"}
+
+
+def error_type(status: int) -> str:
+    """The OpenAI error type for a request that failed after it was admitted."""
+    return ERROR_TYPES.get(status, "server_error")
+
+
 def unavailable(message: str) -> APIError:
     return APIError(503, message, type="service_unavailable", code="worker_unavailable", headers={"Retry-After": "5"})
 
@@ -75,8 +83,10 @@ class Generation:
     """One admitted API request running in the worker: its streams, its deadline, its cleanup."""
 
     def __init__(self, group: RequestGroup, link: WorkerLink, release, deadline: float | None,
-                 metrics: Metrics, arrived: float) -> None:
+                 metrics: Metrics, arrived: float, client_id: str, on_close=None) -> None:
         self.group = group
+        self.client_id = client_id
+        self._on_close = on_close
         self.deadline = deadline
         self._link = link
         self._release = release
@@ -107,6 +117,16 @@ class Generation:
             self._closed = True
             self._metrics.prompt_tokens += self.group.prompt_tokens
             self._metrics.generation_tokens += self.group.completion_tokens
+            if self._on_close is not None:
+                self._on_close()
+
+    def cancel(self) -> None:
+        """POST /v1/requests/{id}/cancel: abort every unfinished stream; the
+        client gets an error event (streaming) or a 499."""
+        for stream in self.group.streams:
+            if not stream.finished:
+                self._link.abort(stream.request_id)
+                self.group.queue.put_nowait(stream.fail("the request was cancelled", 499))
 
 
 class EventStream(StreamingResponse):
@@ -135,6 +155,7 @@ class Serving:
         self.draining = False  # set on SIGTERM: no new requests
         self.admission = Admission(settings.max_inflight, settings.max_inflight_per_key)
         self.metrics = Metrics()
+        self.generations: dict[str, Generation] = {}  # by the id the client sees, for cancellation
 
     async def read_body(self, request: Request) -> bytes:
         """The body, within --max-body-bytes (413) and --body-timeout-s (408)."""
@@ -219,7 +240,8 @@ class Serving:
 
         parsers: a function making each stream's (reasoning splitter, tool-call parser), either None.
         """
-        release = self.admission.admit(request.scope["state"]["client_id"])
+        client_id = request.scope["state"]["client_id"]
+        release = self.admission.admit(client_id)
         ids = [request_id] if len(samplings) == 1 else [f"{request_id}-{i}" for i in range(len(samplings))]
         group = RequestGroup([
             RequestStream(rid, prompt, sampling, worker.tokenizer, stop, index, *(parsers() if parsers else ()))
@@ -228,7 +250,9 @@ class Serving:
         timeout = self.settings.request_timeout_s
         deadline = asyncio.get_running_loop().time() + timeout if timeout else None
         arrived = request.scope["state"].get("arrived", time.monotonic())
-        generation = Generation(group, self.link, release, deadline, self.metrics, arrived)
+        generation = Generation(group, self.link, release, deadline, self.metrics, arrived, client_id,
+                                on_close=lambda: self.generations.pop(request_id, None))
+        self.generations[request_id] = generation
         try:
             for stream in group.streams:
                 self.link.submit(stream)
@@ -238,6 +262,13 @@ class Serving:
         if self.settings.log_prompts:
             log.info("%s prompt: %r", request_id, worker.tokenizer.decode(prompt))
         return generation
+
+    def cancel(self, request: Request, request_id: str) -> None:
+        """Cancel a running request of this client; 404 if there is none by that id."""
+        generation = self.generations.get(request_id)
+        if generation is None or generation.client_id != request.scope["state"]["client_id"]:
+            raise APIError(404, f"no running request {request_id!r}", type="not_found_error", param="id")
+        generation.cancel()
 
     def timed_out(self) -> str:
         return f"the request ran longer than the server's limit of {self.settings.request_timeout_s:g}s and was stopped"
@@ -282,7 +313,7 @@ async def _collect(generation: Generation) -> list[Choice]:
         if delta.error is not None:
             if delta.error_status == 503:
                 raise unavailable(delta.error)
-            raise APIError(delta.error_status, delta.error, type="server_error")
+            raise APIError(delta.error_status, delta.error, type=error_type(delta.error_status))
         choice = choices[delta.index]
         choice.text += delta.text
         choice.reasoning += delta.reasoning

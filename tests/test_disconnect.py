@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -35,3 +37,22 @@ def test_non_streaming_client_disconnect_aborts(server):
     took = server.wait_running(lambda n: n == 0, timeout=1.0)
     print(f"\nnon-streaming disconnect -> running 0 in {took * 1000:.0f} ms (heartbeat every 50 ms)")
     server.assert_steps_stopped()
+
+
+def test_cancel_endpoint_aborts_the_request(server):
+    server.wait_idle()
+    body = dict(LONG, prompt="Once upon a time", stream=True)
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        request_id = json.loads(first[6:])["id"]
+        assert server.http.post(f"/v1/requests/{request_id}/cancel").json() == {"id": request_id, "cancelled": True}
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert json.loads(rest[-2][6:])["error"]["message"] == "the request was cancelled"
+    assert rest[-1] == "data: [DONE]"
+    server.wait_running(lambda n: n == 0, timeout=1.0)
+    server.assert_steps_stopped()
+    # Gone now: cancelling again, or an id that never was, is a 404.
+    assert server.http.post(f"/v1/requests/{request_id}/cancel").status_code == 404
+    assert server.http.post("/v1/requests/cmpl-nothing/cancel").status_code == 404
+
