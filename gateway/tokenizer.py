@@ -62,10 +62,6 @@ class Tokenizer:
         text = self.render_chat(messages, tools, template_kwargs)
         return text, self._tok.encode(text, add_special_tokens=False)
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None) -> list[int]:
-        return self.chat_prompt(messages, tools, template_kwargs)[1]
-
     def encode_text(self, text: str) -> list[int]:
         # As mlx-lm does: add the BOS token unless the prompt already starts with it.
         bos = self._tok.bos_token

@@ -7,8 +7,6 @@ import signal
 import socket
 import stat
 import subprocess
-import threading
-import time
 
 import httpx
 import pytest

@@ -50,14 +50,14 @@ def main() -> None:
         client = httpx.Client(base_url=url, timeout=600)
         model = client.get("/v1/models").json()["data"][0]["id"]
         ttft(client, model, "warm-up", "hi")
+        guidelines = " ".join(f"Guideline {i}: be precise and helpful." for i in range(220))
+        tokens = client.post("/v1/chat/completions", json={
+            "model": model, "max_tokens": 1, "messages": [{"role": "system", "content": f"Session 0. {guidelines}"}],
+        }).json()["usage"]["prompt_tokens"]
         cold, warm, cached = [], [], []
         for _ in range(args.rounds):
-            salt = uuid.uuid4().hex
-            system = f"Session {salt}. " + " ".join(f"Guideline {i}: be precise and helpful." for i in range(220))
-            tokens = client.post("/v1/chat/completions", json={
-                "model": model, "max_tokens": 1, "messages": [{"role": "system", "content": system}],
-            }).json()["usage"]["prompt_tokens"] if not cold else tokens
-            system = f"Session {uuid.uuid4().hex}. " + system.split(". ", 1)[1]  # the request above warmed its own
+            # A session id never seen before makes the first request of the round cold.
+            system = f"Session {uuid.uuid4().hex}. {guidelines}"
             t, _ = ttft(client, model, system, "What is the capital of France?")
             cold.append(t)
             t, c = ttft(client, model, system, "And what is the capital of Germany?")
