@@ -172,7 +172,7 @@ def http_system(name: str, model_dir: str, concurrencies: list[int], tokens: int
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ)
     if name == "mlxd":
-        argv = [str(Path(sys.executable).parent / "mlxd"), "serve", "--model", model_dir, "--port", str(port),
+        argv = [sys.executable, "-m", "gateway", "serve", "--model", model_dir, "--port", str(port),
                 "--max-batch", str(max(concurrencies))]
         extra = {"ignore_eos": True}
     else:
