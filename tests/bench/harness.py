@@ -7,7 +7,8 @@ In one run, with one streaming load generator, at each concurrency:
   mlxd    `mlxd serve` end to end, over HTTP
   peer    `mlx_lm.server` (shipped with mlx-lm), over HTTP
 Each HTTP request streams a chat completion of --tokens tokens; each system
-gets 2 x concurrency requests (at least 8) after a warm-up. Reported: aggregate
+gets 2 x concurrency requests (at least 8) after a warm-up round at the same
+concurrency. Reported: aggregate
 tokens/s, time to first token p50/p99, inter-token latency p50/p99, failures,
 and each system's tokens/s as a ratio of the engine's. --write puts the table
 into docs/benchmarks.md. Without --model the model is a 2-layer random-weight
@@ -67,9 +68,11 @@ def engine_limit(model_dir: str, concurrency: int, requests: int, tokens: int) -
     model, tokenizer = load(model_dir)
     prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
     generator = BatchGenerator(model, completion_batch_size=max(concurrency, 1), prefill_batch_size=min(8, concurrency))
-    generator.insert([prompt], max_tokens=[8])  # warm-up
-    while not any(r.finish_reason for r in generator.next()[1]):
-        pass
+    # Warm-up at this concurrency: the first calls of a new shape compile kernels.
+    generator.insert([prompt] * concurrency, max_tokens=[8] * concurrency)
+    finished = 0
+    while finished < concurrency:
+        finished += sum(r.finish_reason is not None for r in generator.next()[1])
     result = Result()
     started_at: dict[int, float] = {}
     last: dict[int, float] = {}
@@ -135,7 +138,8 @@ async def load(url: str, model: str, concurrency: int, requests: int, tokens: in
     result = Result()
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        await one_request(client, model, 8, extra, Result())  # warm-up
+        # Warm-up at this concurrency: the first calls of a new shape compile kernels.
+        await asyncio.gather(*(one_request(client, model, 8, extra, Result()) for _ in range(concurrency)))
         queue = asyncio.Queue()
         for _ in range(requests):
             queue.put_nowait(None)
