@@ -46,6 +46,7 @@ bench: install model
 	$(PY) -m tests.bench.restart --signal KILL
 	$(PY) -m tests.bench.restart --signal TERM
 	$(PY) -m tests.bench.grammar_overhead
+	$(PY) -m tests.bench.gateway_memory
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
