@@ -8,6 +8,8 @@ the worker; then it turns the Deltas into OpenAI's SSE chunks or one body.
 from __future__ import annotations
 
 import json
+import time
+import uuid
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -287,9 +289,6 @@ class _Output:
     prefix = ""
 
     def __init__(self, model: str) -> None:
-        import time
-        import uuid
-
         self.id = f"{self.prefix}{uuid.uuid4().hex}"
         self.model = model
         self.created = int(time.time())
