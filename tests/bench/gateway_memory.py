@@ -13,7 +13,6 @@ import asyncio
 import os
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 from tests.bench.harness import load
