@@ -6,7 +6,8 @@ In one run, with one streaming load generator, at each concurrency:
   engine  mlx-lm's BatchGenerator in-process, kept full (the engine limit)
   mlxd    `mlxd serve` end to end, over HTTP
   peer    `mlx_lm.server` (shipped with mlx-lm), over HTTP
-Each HTTP request streams a chat completion of --tokens tokens; each system
+Each HTTP request streams a chat completion of --tokens tokens (counted from
+the server's usage; TTFT and inter-token gaps from the chunks with text); each system
 gets 2 x concurrency requests (at least 8) after a warm-up round at the same
 concurrency. Reported: aggregate
 tokens/s, time to first token p50/p99, inter-token latency p50/p99, failures,
@@ -109,9 +110,12 @@ def engine_limit(model_dir: str, concurrency: int, requests: int, tokens: int) -
 
 
 async def one_request(client: httpx.AsyncClient, model: str, tokens: int, extra: dict, result: Result) -> None:
-    body = {"model": model, "messages": MESSAGES, "max_tokens": tokens, "temperature": 0, "stream": True, **extra}
+    body = {"model": model, "messages": MESSAGES, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, **extra}
     started = time.perf_counter()
     last = None
+    chunks = 0
+    usage = None
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
@@ -121,6 +125,7 @@ async def one_request(client: httpx.AsyncClient, model: str, tokens: int, extra:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
                 if not chunk.get("choices") or not chunk["choices"][0].get("delta", {}).get("content"):
                     continue
                 now = time.perf_counter()
@@ -129,9 +134,13 @@ async def one_request(client: httpx.AsyncClient, model: str, tokens: int, extra:
                 else:
                     result.itls.append(now - last)
                 last = now
-                result.tokens += 1
+                chunks += 1
     except httpx.HTTPError:
         result.failures += 1
+        return
+    # Tokens as the server counts them: a token can end mid-character and
+    # arrive in the next chunk, so chunks undercount (by a third on a random model).
+    result.tokens += usage["completion_tokens"] if usage else chunks
 
 
 async def load(url: str, model: str, concurrency: int, requests: int, tokens: int, extra: dict) -> Result:
