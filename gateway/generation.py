@@ -9,6 +9,7 @@ event loop, where an API handler turns Deltas into SSE events or one body.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
@@ -158,6 +159,11 @@ class RequestStream:
         return Delta("", self.index, finish_reason="error", error=message, error_status=status)
 
 
+def _plain(delta: Delta) -> bool:
+    """Text (or reasoning) only: safe to merge with the next one of its choice."""
+    return delta.finish_reason is None and not delta.tool_calls
+
+
 class RequestGroup:
     """The streams of one API request (n > 1 samples n of them), read as one."""
 
@@ -186,12 +192,27 @@ class RequestGroup:
     async def deltas(self, deadline: float | None = None):
         """Every Delta of every stream until each has its final one.
 
-        Raises TimeoutError at `deadline` (event-loop time) if not finished.
+        Text that piled up while the client was slower than the worker comes
+        as one Delta: one event instead of many, less work per token just
+        when the gateway is behind. Raises TimeoutError at `deadline`
+        (event-loop time) if not finished.
         """
         loop = asyncio.get_running_loop()
+        backlog: deque[Delta] = deque()
         while not self.finished:
-            timeout = None if deadline is None else max(deadline - loop.time(), 0)
-            delta = await asyncio.wait_for(self.queue.get(), timeout)
+            if backlog:
+                delta = backlog.popleft()
+            else:
+                timeout = None if deadline is None else max(deadline - loop.time(), 0)
+                delta = await asyncio.wait_for(self.queue.get(), timeout)
+            while _plain(delta) and not self.queue.empty():
+                waiting = self.queue.get_nowait()
+                if waiting.index != delta.index or not _plain(waiting):
+                    backlog.append(waiting)
+                    break
+                delta.text += waiting.text
+                delta.reasoning += waiting.reasoning
+                delta.logprobs += waiting.logprobs
             stream = self.streams[delta.index]
             if stream.finished:
                 continue  # e.g. an error that crossed the final delta
