@@ -31,10 +31,10 @@ from gateway.anthropic_schema import (
     ToolUseOut,
     Usage,
 )
-from gateway.parsing import ReasoningSplitter, ToolCall, ToolCallParser
+from gateway.parsing import ToolCall, stream_parsers
 from gateway.errors import APIError, anthropic_error_body, decode_body
 from gateway.serving import EventStream, Generation, Serving, collect
-from gateway.structured import forced_tool_call_grammar
+from gateway.structured import forced_tool_call_grammar, named_tool
 from protocol import Sampling
 
 _json = msgspec.json.Encoder()
@@ -93,10 +93,7 @@ def tool_definitions(body: MessagesRequest | CountTokensRequest) -> list[dict] |
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.input_schema}} for t in body.tools]
     if isinstance(body.tool_choice, ToolChoiceTool):
-        tools = [t for t in tools if t["function"]["name"] == body.tool_choice.name]
-        if not tools:
-            raise APIError(400, f"tool_choice names {body.tool_choice.name!r}, which is not among the tools",
-                           param="tool_choice")
+        return named_tool(tools, body.tool_choice.name)
     return tools
 
 
@@ -104,17 +101,17 @@ class AnthropicAPI:
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
 
-    async def _prompt(self, body: MessagesRequest | CountTokensRequest):
+    async def _prompt(self, body: MessagesRequest | CountTokensRequest, tools: list[dict] | None):
         worker = await self.serving.worker_for(body.model)
         template_kwargs = {"enable_thinking": body.thinking.type == "enabled"} if body.thinking else None
         text, prompt = await self.serving.tokenize(
-            worker.tokenizer.chat_prompt, chat_messages(body), tool_definitions(body), template_kwargs
+            worker.tokenizer.chat_prompt, chat_messages(body), tools, template_kwargs
         )
         return worker, text, prompt
 
     async def count_tokens(self, request: Request) -> Response:
         body: CountTokensRequest = decode_body(await self.serving.read_body(request), CountTokensRequest)
-        _, _, prompt = await self._prompt(body)
+        _, _, prompt = await self._prompt(body, tool_definitions(body))
         return Response(_json.encode({"input_tokens": len(prompt)}), media_type="application/json")
 
     async def messages(self, request: Request) -> Response:
@@ -122,27 +119,20 @@ class AnthropicAPI:
         stops = body.stop_sequences or []
         if any(not s for s in stops):
             raise APIError(400, "stop_sequences must not be empty strings", param="stop_sequences")
-        worker, prompt_text, prompt = await self._prompt(body)
+        tools = tool_definitions(body)
+        worker, prompt_text, prompt = await self._prompt(body, tools)
         max_tokens = self.serving.max_tokens(prompt, body.max_tokens, worker, "messages")
+        family = worker.tokenizer.tool_family
         forced = isinstance(body.tool_choice, (ToolChoiceAny, ToolChoiceTool))
         sampling = Sampling(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=body.top_k or 0,
-            grammar=forced_tool_call_grammar(tool_definitions(body), worker.tokenizer.tool_family) if forced else None,
+            grammar=forced_tool_call_grammar(tools, family) if forced else None,
         )
         message_id = f"msg_{uuid.uuid4().hex}"
-        markers = worker.tokenizer.reasoning_markers
-        tools = tool_definitions(body) is not None
-        family = worker.tokenizer.tool_family
-
-        def parsers():
-            reasoning = None
-            if markers is not None:
-                reasoning = ReasoningSplitter(*markers, inside=prompt_text.rstrip().endswith(markers[0]))
-            return reasoning, ToolCallParser(family) if tools else None
-
+        parsers = stream_parsers(worker.tokenizer.reasoning_markers, family, prompt_text, tools is not None)
         generation = self.serving.start(request, worker, message_id, prompt, [sampling], stops, parsers)
         single_call = bool(body.tool_choice and body.tool_choice.disable_parallel_tool_use)
         if body.stream:

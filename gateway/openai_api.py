@@ -47,9 +47,9 @@ from gateway.openai_schema import (
     TopLogprob,
     Usage,
 )
-from gateway.parsing import ReasoningSplitter, ToolCall, ToolCallParser
+from gateway.parsing import ToolCall, stream_parsers
 from gateway.serving import Choice, EventStream, Generation, Serving, collect, error_type
-from gateway.structured import forced_tool_call_grammar, json_schema_grammar
+from gateway.structured import forced_tool_call_grammar, json_schema_grammar, named_tool
 from protocol import Sampling
 
 _json = msgspec.json.Encoder()
@@ -125,10 +125,7 @@ def tool_definitions(body: ChatCompletionRequest) -> list[dict] | None:
         return None
     tools = [msgspec.to_builtins(t) for t in body.tools]
     if isinstance(body.tool_choice, NamedToolChoice):
-        name = body.tool_choice.function.name
-        tools = [t for t in tools if t["function"]["name"] == name]
-        if not tools:
-            raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+        return named_tool(tools, body.tool_choice.function.name)
     return tools
 
 
@@ -192,16 +189,9 @@ class OpenAIAPI:
         )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         output = ChatOutput(body.model, parallel_tool_calls=body.parallel_tool_calls is not False)
-        markers = worker.tokenizer.reasoning_markers
         family = worker.tokenizer.tool_family
         grammar = chat_grammar(body, tools, family)
-
-        def parsers():
-            reasoning = None
-            if markers is not None:
-                reasoning = ReasoningSplitter(*markers, inside=prompt_text.rstrip().endswith(markers[0]))
-            return reasoning, ToolCallParser(family) if tools else None
-
+        parsers = stream_parsers(worker.tokenizer.reasoning_markers, family, prompt_text, bool(tools))
         generation = self.serving.start(
             request, worker, output.id, prompt,
             samplings(body, max_tokens, logprobs, worker.hello.vocab_size, grammar), stop, parsers,

@@ -179,3 +179,14 @@ def detect_reasoning(chat_template: str, vocabulary: set[str]) -> tuple[str, str
         if start in chat_template or start in vocabulary:
             return start, end
     return None
+
+
+def stream_parsers(markers: tuple[str, str] | None, family: str, prompt_text: str, with_tools: bool):
+    """A function making each stream's own (reasoning splitter, tool-call parser), either None."""
+    inside = markers is not None and prompt_text.rstrip().endswith(markers[0])
+
+    def make() -> tuple[ReasoningSplitter | None, ToolCallParser | None]:
+        return (ReasoningSplitter(*markers, inside=inside) if markers else None,
+                ToolCallParser(family) if with_tools else None)
+
+    return make

@@ -49,6 +49,14 @@ def _call_schema(tool: dict, arguments_key: str) -> dict:
     }
 
 
+def named_tool(tools: list[dict], name: str) -> list[dict]:
+    """The tool a named tool_choice asks for (400 when it is not among the tools)."""
+    chosen = [t for t in tools if t["function"]["name"] == name]
+    if not chosen:
+        raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+    return chosen
+
+
 def forced_tool_call_grammar(tools: list[dict], family: str, param: str = "tool_choice") -> str:
     """Output that is exactly one call of one of `tools`, in the model's own tool-call format."""
     key = "parameters" if family == "llama3" else "arguments"
