@@ -31,6 +31,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for(predicate, timeout: float, what, interval: float = 0.02) -> float:
+    """Seconds until predicate() holds; fails the test after `timeout`.
+
+    what: a description for the failure message, or a function returning one.
+    """
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
+        time.sleep(interval)
+    return time.monotonic() - started
+
+
 def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     """Stop a process we started, by its PID: SIGTERM, then SIGKILL."""
     if proc.poll() is None:
@@ -62,6 +75,13 @@ class Server:
     def health(self) -> dict:
         return self.http.get("/health").json()
 
+    def answers(self) -> bool:
+        """The gateway is up (whether or not a worker is)."""
+        try:
+            return self.http.get("/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
     def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -88,12 +108,8 @@ class Server:
 
     def wait_running(self, predicate, timeout: float) -> float:
         """Seconds until predicate(worker.running) holds."""
-        start = time.monotonic()
-        while not predicate(self.health()["worker"]["running"]):
-            if time.monotonic() - start > timeout:
-                raise AssertionError(f"worker state: {self.health()['worker']}")
-            time.sleep(0.01)
-        return time.monotonic() - start
+        return wait_for(lambda: predicate(self.health()["worker"]["running"]), timeout,
+                        lambda: f"worker.running; worker state: {self.health()['worker']}", interval=0.01)
 
     def assert_steps_stopped(self) -> None:
         """The worker's step counter no longer rises: nothing is left decoding."""

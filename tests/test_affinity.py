@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import mlx.core as mx
 
-from tests.conftest import MODEL_NAME
+from tests.conftest import MODEL_NAME, wait_for
 
 
 def test_audit_sees_no_off_main_thread_evaluation(server):
     """Concurrency and aborts through the real stack; the worker runs with MLXD_AFFINITY_AUDIT=1."""
-    deadline = time.monotonic() + 5
-    while "affinity" not in server.health()["worker"]:  # the first heartbeat carries it
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    # The first heartbeat carries it.
+    wait_for(lambda: "affinity" in server.health()["worker"], 5, "the audit's first report")
     before = server.health()["worker"]["affinity"]["evaluations"]
 
     def stream(i: int, abort_after: int | None) -> None:

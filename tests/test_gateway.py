@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from protocol import PROTOCOL_VERSION, Refused, decode_to_worker
-from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, stop_process
+from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, stop_process, wait_for
 from worker.blas import openblas_path
 
 
@@ -22,14 +22,7 @@ def gateway(tmp_path):
         tmp_path / "gateway.log",
     )
     srv.endpoint = endpoint
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            srv.health()
-            break
-        except Exception:
-            assert time.monotonic() < deadline, srv.log_path.read_text()
-            time.sleep(0.1)
+    wait_for(srv.answers, 30, lambda: f"the gateway:\n{srv.log_path.read_text()}")
     yield srv
     srv.stop()
 
@@ -87,10 +80,7 @@ def test_separate_worker_process_serves_and_leaves(gateway, tiny_model, referenc
         finally:
             stop_process(worker)
     assert worker.returncode == 0
-    deadline = time.monotonic() + 5
-    while gateway.health()["worker"]["ready"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(lambda: not gateway.health()["worker"]["ready"], 5, "the gateway to see the worker leave")
     assert gateway.proc.poll() is None and gateway.proc.pid == gateway_pid
     expected_blas = "OpenBLAS" if openblas_path() else "BLAS: "
     assert expected_blas in (tmp_path / "worker.log").read_text()

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, stop_process
+from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, stop_process, wait_for
 
 PROMPT = "Once upon a time"
 LONG = 900  # tokens: a few seconds of decoding, so that there is a middle to interrupt
@@ -135,14 +135,6 @@ def split(tiny_model, tmp_path):
 @pytest.fixture(scope="module")
 def expected(reference):
     return reference.greedy(reference.text_prompt(PROMPT), LONG, ignore_eos=True).text
-
-
-def wait_for(predicate, timeout: float, what: str) -> float:
-    started = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - started < timeout, f"timed out waiting for {what}"
-        time.sleep(0.02)
-    return time.monotonic() - started
 
 
 def test_kill_9_mid_stream_then_a_new_worker(split, expected):

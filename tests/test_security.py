@@ -11,8 +11,8 @@ import subprocess
 import httpx
 import pytest
 
-from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, free_port, stop_process
-from tests.test_restarts import StreamReader, wait_for
+from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, free_port, stop_process, wait_for
+from tests.test_restarts import StreamReader
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
 SECRET_PROMPT = "the-secret-prompt-text-zebra"
@@ -113,17 +113,10 @@ def test_insecure_no_auth_starts_with_a_loud_warning(tmp_path):
     server = Server(["gateway", "--host", "0.0.0.0", "--insecure-no-auth",
                      "--worker-endpoint", f"ipc://{tmp_path}/w.sock"], tmp_path / "gateway.log")
     try:
-        wait_for(lambda: _answers(server), 30, "the gateway")
+        wait_for(server.answers, 30, "the gateway")
         assert "NO API KEY" in server.log_path.read_text()
     finally:
         server.stop()
-
-
-def _answers(server) -> bool:
-    try:
-        return server.http.get("/health").status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def test_host_guard_on_loopback_without_keys(server):
@@ -198,7 +191,7 @@ def test_worker_socket_directory_is_private(tmp_path):
     run = tmp_path / "run"
     server = Server(["gateway", "--worker-endpoint", f"ipc://{run}/worker.sock"], tmp_path / "gateway.log")
     try:
-        wait_for(lambda: _answers(server), 30, "the gateway")
+        wait_for(server.answers, 30, "the gateway")
         assert stat.S_IMODE(os.lstat(run).st_mode) == 0o700
     finally:
         server.stop()
@@ -278,7 +271,7 @@ def test_logs_hold_no_prompts_or_keys_unless_asked(tiny_model, tmp_path, log_pro
     server = Server(["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME, *args],
                     tmp_path / "serve.log")
     try:
-        wait_for(lambda: _answers(server) and server.http.get("/ready").status_code == 200, 60, "the server")
+        wait_for(lambda: server.answers() and server.http.get("/ready").status_code == 200, 60, "the server")
         headers = {"Authorization": "Bearer the-secret-key-walrus"}
         body = dict(CHAT, messages=[{"role": "user", "content": SECRET_PROMPT}])
         assert server.http.post("/v1/chat/completions", json=body, headers=headers).status_code == 200
