@@ -3,15 +3,18 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
+# Pinned with mlx and mlx-lm (pyproject.toml says why it is installed here).
+MLX_VLM := mlx-vlm==0.7.10
 
 .PHONY: install openblas model run test bench clean
 
 install: $(VENV)/.installed openblas
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps '$(MLX_VLM)'
 	touch $@
 
 # MLX's Linux CPU wheel bundles the slow reference BLAS; the worker switches to

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.anthropic_schema import (
+    Base64Source,
     CountTokensRequest,
     ImageBlock,
     MessageOut,
@@ -33,8 +34,10 @@ from gateway.anthropic_schema import (
 )
 from gateway.parsing import ToolCall, stream_parsers
 from gateway.errors import APIError, anthropic_error_body, decode_body
+from gateway.images import ImageSource
 from gateway.serving import EventStream, Generation, Serving, collect
 from gateway.structured import forced_tool_call_grammar, named_tool
+from gateway.tokenizer import template_content
 from protocol import Sampling
 
 _json = msgspec.json.Encoder()
@@ -50,24 +53,27 @@ def stop_reason(finish_reason: str | None, stop_string: str | None) -> str:
     return "max_tokens" if finish_reason == "length" else "end_turn"
 
 
-def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[dict]:
-    """Anthropic messages as the chat template's messages."""
+def chat_messages(body: MessagesRequest | CountTokensRequest, vision: bool) -> tuple[list[dict], list[ImageSource]]:
+    """Anthropic messages as the chat template's messages, and their image
+    blocks, in order."""
     messages = []
+    images = []
     if body.system:
         system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
-        messages.append({"role": "system", "content": system})
+        messages.append({"role": "system", "content": template_content([{"type": "text", "text": system}], vision)})
     for i, m in enumerate(body.messages):
-        if isinstance(m.content, str):
-            messages.append({"role": m.role, "content": m.content})
-            continue
-        text: list[str] = []
+        blocks = [TextBlock(m.content)] if isinstance(m.content, str) else m.content
+        parts: list[dict] = []
         tool_calls = []
-        for j, block in enumerate(m.content):
+        for j, block in enumerate(blocks):
             if isinstance(block, TextBlock):
-                text.append(block.text)
+                parts.append({"type": "text", "text": block.text})
             elif isinstance(block, ImageBlock):
-                raise APIError(400, "image inputs are not supported: the served model is text-only",
-                               param=f"messages[{i}].content[{j}]")
+                source = block.source
+                param = f"messages[{i}].content[{j}].source"
+                images.append(ImageSource(param, data=source.data) if isinstance(source, Base64Source)
+                              else ImageSource(param, url=source.url))
+                parts.append({"type": "image"})
             elif isinstance(block, ToolUseBlock):
                 tool_calls.append({"id": block.id, "type": "function",
                                    "function": {"name": block.name, "arguments": block.input}})
@@ -75,12 +81,12 @@ def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[dict]:
                 messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
             elif isinstance(block, ThinkingBlock):
                 pass  # earlier reasoning is not replayed into the prompt, as chat templates do
-        if text or tool_calls:
-            message: dict = {"role": m.role, "content": "".join(text)}
+        if parts or tool_calls:
+            message: dict = {"role": m.role, "content": template_content(parts, vision)}
             if tool_calls:
                 message["tool_calls"] = tool_calls
             messages.append(message)
-    return messages
+    return messages, images
 
 
 def tool_definitions(body: MessagesRequest | CountTokensRequest) -> list[dict] | None:
@@ -104,15 +110,13 @@ class AnthropicAPI:
     async def _prompt(self, body: MessagesRequest | CountTokensRequest, tools: list[dict] | None):
         worker = await self.serving.worker_for(body.model)
         template_kwargs = {"enable_thinking": body.thinking.type == "enabled"} if body.thinking else None
-        text, prompt = await self.serving.tokenize(
-            worker.tokenizer.chat_prompt, chat_messages(body), tools, template_kwargs
-        )
-        return worker, text, prompt
+        messages, images = chat_messages(body, worker.hello.vision)
+        return worker, await self.serving.chat_prompt(worker, messages, tools, template_kwargs, images)
 
     async def count_tokens(self, request: Request) -> Response:
         body: CountTokensRequest = decode_body(await self.serving.read_body(request), CountTokensRequest)
-        _, _, prompt = await self._prompt(body, tool_definitions(body))
-        return Response(_json.encode({"input_tokens": len(prompt)}), media_type="application/json")
+        _, prompt = await self._prompt(body, tool_definitions(body))
+        return Response(_json.encode({"input_tokens": len(prompt.token_ids)}), media_type="application/json")
 
     async def messages(self, request: Request) -> Response:
         body: MessagesRequest = decode_body(await self.serving.read_body(request), MessagesRequest)
@@ -120,8 +124,8 @@ class AnthropicAPI:
         if any(not s for s in stops):
             raise APIError(400, "stop_sequences must not be empty strings", param="stop_sequences")
         tools = tool_definitions(body)
-        worker, prompt_text, prompt = await self._prompt(body, tools)
-        max_tokens = self.serving.max_tokens(prompt, body.max_tokens, worker, "messages")
+        worker, prompt = await self._prompt(body, tools)
+        max_tokens = self.serving.max_tokens(prompt.token_ids, body.max_tokens, worker, "messages")
         family = worker.tokenizer.tool_family
         forced = isinstance(body.tool_choice, (ToolChoiceAny, ToolChoiceTool))
         sampling = Sampling(
@@ -132,7 +136,7 @@ class AnthropicAPI:
             grammar=forced_tool_call_grammar(tools, family) if forced else None,
         )
         message_id = f"msg_{uuid.uuid4().hex}"
-        parsers = stream_parsers(worker.tokenizer.reasoning_markers, family, prompt_text, tools is not None)
+        parsers = stream_parsers(worker.tokenizer.reasoning_markers, family, prompt.text, tools is not None)
         generation = self.serving.start(request, worker, message_id, prompt, [sampling], stops, parsers)
         single_call = bool(body.tool_choice and body.tool_choice.disable_parallel_tool_use)
         if body.stream:

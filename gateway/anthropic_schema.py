@@ -17,10 +17,17 @@ class TextBlock(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fie
     citations: list[Any] | None = None
 
 
-class ImageBlock(msgspec.Struct, tag_field="type", tag="image", forbid_unknown_fields=True):
-    """Parsed so that it can be refused clearly: this server has no vision model yet."""
+class Base64Source(msgspec.Struct, tag_field="type", tag="base64", forbid_unknown_fields=True):
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
 
-    source: dict[str, Any]
+
+class URLSource(msgspec.Struct, tag_field="type", tag="url", forbid_unknown_fields=True):
+    url: str  # fetched only from a host of --allow-image-hosts
+
+
+class ImageBlock(msgspec.Struct, tag_field="type", tag="image", forbid_unknown_fields=True):
+    source: Base64Source | URLSource
     cache_control: dict[str, Any] | None = None
 
 

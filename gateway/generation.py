@@ -16,7 +16,7 @@ import msgspec
 
 from gateway.parsing import ReasoningSplitter, ToolCall, ToolCallParser
 from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
-from protocol import AddRequest, RequestOutput, Sampling, TokenLogprob
+from protocol import AddRequest, RequestOutput, Sampling, Tensor, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -85,11 +85,15 @@ class RequestStream:
         index: int = 0,
         reasoning: ReasoningSplitter | None = None,
         tools: ToolCallParser | None = None,
+        images: tuple[list[Tensor], list] = ([], []),
     ) -> None:
         self.request_id = request_id
         self.index = index
         self.prompt = prompt
         self.sampling = sampling
+        # The image tensors the prompt's placeholders stand for, and their
+        # arrays: kept until the request ends, since a resumed request needs them again.
+        self.tensors, self.buffers = images
         # Every token the worker produced, so that a lost worker's requests
         # can continue on the next one from exactly where they were.
         self.generated: list[int] = []
@@ -150,9 +154,9 @@ class RequestStream:
         """The request for a worker: the whole of it, or after a lost worker,
         the rest of it (the prompt followed by what was already generated)."""
         if not self.generated:
-            return AddRequest(self.request_id, self.prompt, self.sampling)
+            return AddRequest(self.request_id, self.prompt, self.sampling, self.tensors)
         rest = msgspec.structs.replace(self.sampling, max_tokens=self.sampling.max_tokens - len(self.generated))
-        return AddRequest(self.request_id, self.prompt + self.generated, rest)
+        return AddRequest(self.request_id, self.prompt + self.generated, rest, self.tensors)
 
     def fail(self, message: str, status: int) -> Delta:
         self._rendered_final = True

@@ -47,8 +47,10 @@ from gateway.openai_schema import (
     TopLogprob,
     Usage,
 )
+from gateway.images import ImageSource
 from gateway.parsing import ToolCall, stream_parsers
 from gateway.serving import Choice, EventStream, Generation, Serving, collect, error_type
+from gateway.tokenizer import Prompt, template_content
 from gateway.structured import forced_tool_call_grammar, json_schema_grammar, named_tool
 from protocol import Sampling
 
@@ -90,11 +92,21 @@ def samplings(body: GenerationRequest, max_tokens: int, logprobs: int | None, vo
     return [msgspec.structs.replace(base, seed=body.seed + i) for i in range(n)]
 
 
-def template_messages(messages: list) -> list[dict]:
-    """Chat messages as chat templates expect them (tool call arguments as objects)."""
+def template_messages(messages: list, vision: bool) -> tuple[list[dict], list[ImageSource]]:
+    """Chat messages as chat templates expect them (tool call arguments as
+    objects), and the image parts among them, in order."""
     out = []
-    for m in messages:
-        message: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    images = []
+    for i, m in enumerate(messages):
+        parts = []
+        for j, part in enumerate(m.parts()):
+            if isinstance(part, ImagePart):
+                images.append(ImageSource(f"messages[{i}].content[{j}]", url=part.image_url.url))
+                parts.append({"type": "image"})
+            else:
+                parts.append({"type": "text", "text": part.text})
+        message: dict = {"role": "system" if m.role == "developer" else m.role,
+                         "content": template_content(parts, vision)}
         if m.tool_calls:
             message["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.function.name,
@@ -106,7 +118,7 @@ def template_messages(messages: list) -> list[dict]:
         if m.name is not None:
             message["name"] = m.name
         out.append(message)
-    return out
+    return out, images
 
 
 def _json_or_text(arguments: str):
@@ -168,30 +180,21 @@ class OpenAIAPI:
         for i, m in enumerate(body.messages):
             if m.role != "assistant" and m.content is None:
                 raise APIError(400, f"messages[{i}] ({m.role}) needs content", param=f"messages[{i}].content")
-            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
-                if isinstance(part, ImagePart):
-                    raise APIError(
-                        400,
-                        "image inputs are not supported: the served model is text-only",
-                        param=f"messages[{i}].content[{j}]",
-                        code="unsupported_content",
-                    )
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         tools = tool_definitions(body)
         worker = await self.serving.worker_for(body.model)
-        prompt_text, prompt = await self.serving.tokenize(
-            worker.tokenizer.chat_prompt, template_messages(body.messages), tools, body.chat_template_kwargs
-        )
+        messages, images = template_messages(body.messages, worker.hello.vision)
+        prompt = await self.serving.chat_prompt(worker, messages, tools, body.chat_template_kwargs, images)
         requested = body.max_completion_tokens or body.max_tokens
         max_tokens = self.serving.max_tokens(
-            prompt, requested, worker, "messages", "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+            prompt.token_ids, requested, worker, "messages", "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         output = ChatOutput(body.model, parallel_tool_calls=body.parallel_tool_calls is not False)
         family = worker.tokenizer.tool_family
         grammar = chat_grammar(body, tools, family)
-        parsers = stream_parsers(worker.tokenizer.reasoning_markers, family, prompt_text, bool(tools))
+        parsers = stream_parsers(worker.tokenizer.reasoning_markers, family, prompt.text, bool(tools))
         generation = self.serving.start(
             request, worker, output.id, prompt,
             samplings(body, max_tokens, logprobs, worker.hello.vocab_size, grammar), stop, parsers,
@@ -208,14 +211,15 @@ class OpenAIAPI:
             raise APIError(400, "a list of several prompts is not supported; send one request per prompt", param="prompt")
         worker = await self.serving.worker_for(body.model)
         if isinstance(prompt_in, str):
-            prompt = await self.serving.tokenize(worker.tokenizer.encode_text, prompt_in, param="prompt")
+            prompt = Prompt(prompt_in, await self.serving.tokenize(worker.tokenizer.encode_text, prompt_in,
+                                                                   param="prompt"))
         else:
             vocab = worker.hello.vocab_size
             bad = next((t for t in prompt_in if not 0 <= t < vocab), None)
             if bad is not None:
                 raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
-            prompt = prompt_in
-        max_tokens = self.serving.max_tokens(prompt, body.max_tokens, worker, "prompt")
+            prompt = Prompt("", prompt_in)
+        max_tokens = self.serving.max_tokens(prompt.token_ids, body.max_tokens, worker, "prompt")
         output = CompletionOutput(body.model)
         generation = self.serving.start(
             request, worker, output.id, prompt, samplings(body, max_tokens, body.logprobs, worker.hello.vocab_size),

@@ -24,13 +24,11 @@ class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fiel
 
 
 class ImageURL(msgspec.Struct, forbid_unknown_fields=True):
-    url: str
-    detail: str | None = None
+    url: str  # a data: URL, or http(s) from a host of --allow-image-hosts
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides the resolution
 
 
 class ImagePart(msgspec.Struct, tag_field="type", tag="image_url", forbid_unknown_fields=True):
-    """Parsed so that it can be refused clearly: this server has no vision model yet."""
-
     image_url: ImageURL
 
 
@@ -54,10 +52,10 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     # Sent back by some clients; earlier reasoning is not replayed into the prompt.
     reasoning_content: str | None = None
 
-    def text(self) -> str:
+    def parts(self) -> list[TextPart | ImagePart]:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content if isinstance(part, TextPart))
-        return self.content or ""
+            return self.content
+        return [TextPart(self.content)] if self.content else []
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):

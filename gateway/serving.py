@@ -20,10 +20,11 @@ from starlette.responses import StreamingResponse
 
 from gateway.errors import APIError
 from gateway.generation import RequestGroup, RequestStream, TokenInfo
+from gateway.images import ImageLoader, ImageSource
 from gateway.metrics import Metrics
 from gateway.parsing import ToolCall
 from gateway.settings import GatewaySettings
-from gateway.tokenizer import PromptError
+from gateway.tokenizer import Prompt, PromptError
 from gateway.worker_link import WorkerLink, WorkerState, WorkerUnavailable
 from protocol import Sampling
 
@@ -155,6 +156,7 @@ class Serving:
         self.draining = False  # set on SIGTERM: no new requests
         self.admission = Admission(settings.max_inflight, settings.max_inflight_per_key)
         self.metrics = Metrics()
+        self.images = ImageLoader(settings)
         self.generations: dict[str, Generation] = {}  # by the id the client sees, for cancellation
 
     async def read_body(self, request: Request) -> bytes:
@@ -214,6 +216,15 @@ class Serving:
         except PromptError as e:
             raise APIError(400, str(e), param=param) from None
 
+    async def chat_prompt(self, worker: WorkerState, messages: list[dict], tools: list[dict] | None,
+                          template_kwargs: dict | None, images: list[ImageSource]) -> Prompt:
+        """A chat request's prompt; `images` are its image parts, in order."""
+        if images and not worker.hello.vision:
+            raise APIError(400, "image inputs are not supported: the served model is text-only",
+                           param=images[0].param, code="unsupported_content")
+        decoded = await self.images.load(images) if images else None
+        return await self.tokenize(worker.tokenizer.chat_prompt, messages, tools, template_kwargs, decoded)
+
     def max_tokens(self, prompt: list[int], requested: int | None, worker: WorkerState, prompt_param: str,
                    max_tokens_param: str = "max_tokens") -> int:
         """How many tokens the request may generate; 400 when it cannot fit."""
@@ -234,7 +245,7 @@ class Serving:
         room = min(context - len(prompt), limit or context)
         return min(requested or room, room)
 
-    def start(self, request: Request, worker: WorkerState, request_id: str, prompt: list[int],
+    def start(self, request: Request, worker: WorkerState, request_id: str, prompt: Prompt,
               samplings: list[Sampling], stop: list[str], parsers=None) -> Generation:
         """Admit the request and submit one stream per sampling to the worker.
 
@@ -244,7 +255,8 @@ class Serving:
         release = self.admission.admit(client_id)
         ids = [request_id] if len(samplings) == 1 else [f"{request_id}-{i}" for i in range(len(samplings))]
         group = RequestGroup([
-            RequestStream(rid, prompt, sampling, worker.tokenizer, stop, index, *(parsers() if parsers else ()))
+            RequestStream(rid, prompt.token_ids, sampling, worker.tokenizer, stop, index,
+                          *(parsers() if parsers else (None, None)), images=(prompt.tensors, prompt.arrays))
             for index, (rid, sampling) in enumerate(zip(ids, samplings))
         ])
         timeout = self.settings.request_timeout_s
@@ -260,7 +272,7 @@ class Serving:
             generation.close()
             raise unavailable(str(e)) from None
         if self.settings.log_prompts:
-            log.info("%s prompt: %r", request_id, worker.tokenizer.decode(prompt))
+            log.info("%s prompt: %r", request_id, worker.tokenizer.decode(prompt.token_ids))
         return generation
 
     def cancel(self, request: Request, request_id: str) -> None:

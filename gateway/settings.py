@@ -62,6 +62,21 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     max_inflight_per_key: Annotated[
         int, Meta(ge=1, description="requests in flight per API key, or per client address without keys (429 beyond)")
     ] = 64
+    # ---- image inputs (vision models) ----
+    allow_image_hosts: Annotated[
+        list[str],
+        Meta(description="a host (or host:port) whose http(s) image URLs the gateway may fetch (default: none; "
+                         "images must be inline)", extra={"env": "MLXD_ALLOW_IMAGE_HOSTS"}),
+    ] = []
+    image_fetch_timeout_s: Annotated[float, Meta(gt=0, description="time an image URL has to arrive (400 beyond)")] = 10.0
+    max_images_per_request: Annotated[int, Meta(ge=0, description="images one request may carry (400 beyond)")] = 8
+    max_image_pixels: Annotated[
+        int, Meta(ge=1, description="width x height of one image (413 beyond)")
+    ] = 25_000_000
+    max_image_bytes: Annotated[int, Meta(ge=1, description="encoded size of one image (413 beyond)")] = 10 << 20
+    max_request_image_bytes: Annotated[
+        int, Meta(ge=1, description="encoded size of all of a request's images (413 beyond)")
+    ] = 20 << 20
     log_prompts: Annotated[bool, Meta(description="log prompts and completions (never logged otherwise)")] = False
     curve_secret_key: Annotated[
         str | None, Meta(description="the gateway's CURVE secret key file (`mlxd keys generate`); needed for tcp://")

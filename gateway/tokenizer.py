@@ -1,6 +1,9 @@
-"""The served model's tokenizer, rebuilt in the gateway from the worker's Hello.
+"""The served model's tokenizer, rebuilt in the gateway from the worker's Hello;
+with a vision model, its processor too (image preprocessing runs here, never
+on the worker's main thread).
 
-Tokenizing and detokenizing are CPU work: callers run them off the event loop.
+Tokenizing, detokenizing and preprocessing are CPU work: callers run them off
+the event loop.
 """
 
 from __future__ import annotations
@@ -9,20 +12,41 @@ import functools
 import hashlib
 import os
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # transformers warns at import that PyTorch is missing; the gateway only
 # needs its tokenizers, so that warning is noise.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+import numpy as np  # noqa: E402
 from jinja2 import TemplateError  # noqa: E402
 
 from gateway.parsing import detect_reasoning, detect_tool_family  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
+from protocol import Tensor  # noqa: E402
+from protocol.codec import TENSOR_DTYPES  # noqa: E402
+from transformers import AutoProcessor, AutoTokenizer  # noqa: E402
 
 
 class PromptError(ValueError):
     """A prompt the tokenizer or chat template cannot render; a 400 for the client."""
+
+
+@dataclass
+class Prompt:
+    """A rendered prompt, its token ids and, with images, the arrays the
+    vision model takes (their Tensor descriptions and their data)."""
+
+    text: str
+    token_ids: list[int]
+    tensors: list[Tensor] = field(default_factory=list)
+    arrays: list[np.ndarray] = field(default_factory=list)
+
+
+def template_content(parts: list[dict], vision: bool) -> str | list[dict]:
+    """A message's content for the chat template: vision models' templates
+    take a list of text and image parts, text models' a string."""
+    return parts if vision else "".join(p["text"] for p in parts if p["type"] == "text")
 
 
 def files_digest(files: dict[str, bytes]) -> str:
@@ -33,12 +57,17 @@ def files_digest(files: dict[str, bytes]) -> str:
 
 
 class Tokenizer:
-    def __init__(self, files: dict[str, bytes]) -> None:
+    def __init__(self, files: dict[str, bytes], vision: bool = False) -> None:
         self.digest = files_digest(files)
+        self.processor = None
         with tempfile.TemporaryDirectory(prefix="mlxd-tokenizer-") as tmp:
             for name, data in files.items():
                 (Path(tmp) / Path(name).name).write_bytes(data)
             self._tok = AutoTokenizer.from_pretrained(tmp)
+            if vision:
+                self.processor = AutoProcessor.from_pretrained(tmp)
+                # Vision models often keep their chat template with the processor.
+                self._tok.chat_template = self._tok.chat_template or self.processor.chat_template
 
     @property
     def has_chat_template(self) -> bool:
@@ -57,10 +86,29 @@ class Tokenizer:
             raise PromptError(f"the model's chat template rejected these messages: {e}") from None
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None) -> tuple[str, list[int]]:
-        """The rendered prompt and its token ids."""
+                    template_kwargs: dict | None = None, images: list | None = None) -> Prompt:
+        """The rendered prompt and its token ids; with images (one per image
+        part of the messages, in order), each image placeholder expanded to
+        the image's tokens, and the arrays the vision model takes."""
         text = self.render_chat(messages, tools, template_kwargs)
-        return text, self._tok.encode(text, add_special_tokens=False)
+        if not images:
+            return Prompt(text, self._tok.encode(text, add_special_tokens=False))
+        try:
+            out = self.processor(text=[text], images=images, return_tensors="np", add_special_tokens=False)
+        except (ValueError, TypeError) as e:
+            raise PromptError(f"the model's processor rejected these images: {e}") from None
+        tensors, arrays = [], []
+        for name, value in out.items():
+            if name in ("input_ids", "attention_mask"):
+                continue
+            array = np.ascontiguousarray(value)
+            if array.dtype == np.float64:
+                array = array.astype(np.float32)
+            if array.dtype.name not in TENSOR_DTYPES:
+                raise PromptError(f"the model's processor made {name} of dtype {array.dtype}, which mlxd cannot send")
+            tensors.append(Tensor(name, list(array.shape), array.dtype.name))
+            arrays.append(array)
+        return Prompt(text, out["input_ids"][0].tolist(), tensors, arrays)
 
     def encode_text(self, text: str) -> list[int]:
         # As mlx-lm does: add the BOS token unless the prompt already starts with it.

@@ -53,7 +53,7 @@ from protocol import (
     StepOutput,
     Welcome,
     decode_from_worker,
-    encode,
+    encode_frames,
     hello_version,
 )
 
@@ -183,7 +183,7 @@ class WorkerLink:
         if self.worker is None or not self.ready:
             raise WorkerUnavailable("the worker went away")
         self.requests[stream.request_id] = stream
-        self._send(self.worker.identity, stream.add_request())
+        self._send(self.worker.identity, stream.add_request(), stream.buffers)
 
     def abort(self, request_id: str) -> None:
         """Forget the request and tell the worker to drop it. Idempotent."""
@@ -229,9 +229,9 @@ class WorkerLink:
 
     # ---- the link itself ---------------------------------------------------
 
-    def _send(self, identity: bytes, message) -> None:
+    def _send(self, identity: bytes, message, buffers: list = ()) -> None:
         # ROUTER sends never block: a message to a vanished peer is dropped.
-        self._socket.send_multipart([identity, encode(message)], copy=False)
+        self._socket.send_multipart([identity, *encode_frames(message, buffers)], copy=False)
 
     async def _receive_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -292,7 +292,7 @@ class WorkerLink:
         if w is not None and w.tokenizer.digest == files_digest(hello.tokenizer_files):
             tokenizer = w.tokenizer
         else:
-            tokenizer = await asyncio.to_thread(Tokenizer, hello.tokenizer_files)
+            tokenizer = await asyncio.to_thread(Tokenizer, hello.tokenizer_files, hello.vision)
         if self.worker is not None:
             old = self.worker
             self._lose_worker(f"replaced by a newer worker (pid {hello.pid})", handed_back=set())
@@ -322,7 +322,7 @@ class WorkerLink:
                 self.stats.requests_failed_by_loss += 1
                 stream.queue.put_nowait(stream.fail("the worker came back with another model", 503))
                 continue
-            self._send(w.identity, stream.add_request())
+            self._send(w.identity, stream.add_request(), stream.buffers)
             resumed += 1
         if resumed:
             self.stats.requests_resumed += resumed

@@ -9,7 +9,9 @@ from protocol.codec import (
     decode_from_worker,
     decode_to_worker,
     encode,
+    encode_frames,
     hello_version,
+    tensor_nbytes,
 )
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -27,6 +29,7 @@ from protocol.messages import (
     RequestOutput,
     Sampling,
     StepOutput,
+    Tensor,
     TokenLogprob,
     ToWorker,
     Welcome,
@@ -49,11 +52,14 @@ __all__ = [
     "RequestOutput",
     "Sampling",
     "StepOutput",
+    "Tensor",
     "TokenLogprob",
     "ToWorker",
     "Welcome",
     "decode_from_worker",
     "decode_to_worker",
     "encode",
+    "encode_frames",
     "hello_version",
+    "tensor_nbytes",
 ]

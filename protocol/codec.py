@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.messages import FromWorker, ToWorker
+from protocol.messages import AddRequest, FromWorker, Tensor, ToWorker
 
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)
@@ -19,11 +19,42 @@ def encode(message: ToWorker | FromWorker) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_to_worker(frame: bytes) -> ToWorker:
+# The dtypes a processor's arrays come in, and their sizes in bytes.
+TENSOR_DTYPES = {"float32": 4, "float16": 2, "int64": 8, "int32": 4, "uint8": 1, "bool": 1}
+
+
+def tensor_nbytes(tensor: Tensor) -> int:
+    n = TENSOR_DTYPES[tensor.dtype]
+    for dim in tensor.shape:
+        n *= dim
+    return n
+
+
+def encode_frames(message: ToWorker, buffers: list = ()) -> list:
+    """A message and the raw buffers of its tensors, as the frames of one
+    multipart ZeroMQ message. Buffers go as they are: no copy, no encoding."""
+    return [encode(message), *buffers]
+
+
+def decode_to_worker(frames: list) -> tuple[ToWorker, list[memoryview]]:
+    """A message and the buffers of its tensors, each checked against its
+    declared shape and dtype."""
     try:
-        return _to_worker.decode(frame)
+        message = _to_worker.decode(frames[0])
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ProtocolError(str(e)) from None
+    tensors = message.tensors if isinstance(message, AddRequest) else []
+    buffers = [memoryview(f) for f in frames[1:]]
+    if len(buffers) != len(tensors):
+        raise ProtocolError(f"a {type(message).__name__} declaring {len(tensors)} tensors came with "
+                            f"{len(buffers)} buffer frames")
+    for tensor, buffer in zip(tensors, buffers):
+        if tensor.dtype not in TENSOR_DTYPES or any(d < 0 for d in tensor.shape):
+            raise ProtocolError(f"tensor {tensor.name!r}: unusable dtype {tensor.dtype!r} or shape {tensor.shape}")
+        if buffer.nbytes != tensor_nbytes(tensor):
+            raise ProtocolError(f"tensor {tensor.name!r} of shape {tensor.shape} ({tensor.dtype}) needs "
+                                f"{tensor_nbytes(tensor)} bytes; its frame has {buffer.nbytes}")
+    return message, buffers
 
 
 def decode_from_worker(frame: bytes) -> FromWorker:

@@ -58,10 +58,24 @@ class Refused(_Message, tag="refused"):
     reason: str
 
 
+class Tensor(msgspec.Struct, array_like=True):
+    """An array the model's processor made from a request's images (pixel
+    values, image sizes...), passed to the vision model under `name`. Its
+    bytes travel as a raw ZeroMQ frame after the message, never in it."""
+
+    name: str
+    shape: list[int]
+    dtype: str  # a numpy dtype name: "float32", "int64"...
+
+
 class AddRequest(_Message, tag="add"):
+    """A request to run. With `tensors`, the message is followed by one raw
+    frame per tensor, in order (see protocol.codec)."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling: Sampling
+    tensors: list[Tensor] = []
 
 
 class Abort(_Message, tag="abort"):
@@ -91,7 +105,9 @@ class Hello(_Message, tag="hello"):
     vocab_size: int
     capacity: int
     eos_token_ids: list[int]
-    tokenizer_files: dict[str, bytes]
+    tokenizer_files: dict[str, bytes]  # with a vision model, its processor's files too
+    # A vision-language model: requests may carry images (AddRequest.tensors).
+    vision: bool = False
 
 
 FinishReason = Literal["stop", "length"]

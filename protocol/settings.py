@@ -57,7 +57,7 @@ def add_arguments(
         elif isinstance(t, mi.ListType):
             parser.add_argument(
                 flag_name(f.name), dest=f.name, action="append", default=None,
-                help=help_text + " (repeatable; env: comma-separated)",
+                help=help_text + " (repeatable, or comma-separated)",
             )
         else:
             parser.add_argument(flag_name(f.name), dest=f.name, default=None, help=help_text)
@@ -78,8 +78,9 @@ def resolve(
         variable = env_name(f.name, settings_type)
         if value is None and variable in environ:
             value = environ[variable]
-            if isinstance(_unwrap(f.type)[0], mi.ListType):
-                value = [v.strip() for v in value.split(",") if v.strip()]
+        if value is not None and isinstance(_unwrap(f.type)[0], mi.ListType):
+            items = [value] if isinstance(value, str) else value
+            value = [v.strip() for item in items for v in item.split(",") if v.strip()]
         if value is not None:
             raw[f.name] = value
     try:

@@ -50,7 +50,7 @@ def test_worker_of_another_protocol_version_is_refused(gateway, tmp_path):
     try:
         rogue.send(msgspec.msgpack.encode(["hello", PROTOCOL_VERSION + 98, 1, 2, "m", {"future": True}]))
         assert rogue.poll(10_000), "the gateway did not answer"
-        refused = decode_to_worker(rogue.recv())
+        refused, _ = decode_to_worker([rogue.recv()])
         assert isinstance(refused, Refused)
         assert f"version {PROTOCOL_VERSION}" in refused.reason
         assert f"version {PROTOCOL_VERSION + 98}" in refused.reason

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -22,10 +23,12 @@ from protocol import (
     RequestOutput,
     Sampling,
     StepOutput,
+    Tensor,
     Welcome,
     decode_from_worker,
     decode_to_worker,
     encode,
+    encode_frames,
     hello_version,
 )
 
@@ -56,7 +59,7 @@ FROM_WORKER = [
 
 @pytest.mark.parametrize("message", TO_WORKER, ids=lambda m: type(m).__name__)
 def test_to_worker_round_trip(message):
-    assert decode_to_worker(encode(message)) == message
+    assert decode_to_worker([encode(message)]) == (message, [])
 
 
 @pytest.mark.parametrize("message", FROM_WORKER, ids=lambda m: type(m).__name__)
@@ -73,12 +76,40 @@ def test_from_worker_round_trip(message):
 )
 def test_add_request_round_trip_property(request_id, prompt, max_tokens, temperature, seed):
     message = AddRequest(request_id, prompt, Sampling(max_tokens=max_tokens, temperature=temperature, seed=seed))
-    assert decode_to_worker(encode(message)) == message
+    assert decode_to_worker([encode(message)]) == (message, [])
+
+
+def test_tensors_travel_as_raw_frames():
+    pixels = np.arange(2 * 3 * 4 * 4, dtype=np.float32).reshape(2, 3, 4, 4)
+    sizes = np.array([[4, 4], [4, 4]], dtype=np.int64)
+    message = AddRequest("r", [1, 9, 9, 2], Sampling(max_tokens=3),
+                         [Tensor("pixel_values", [2, 3, 4, 4], "float32"), Tensor("image_sizes", [2, 2], "int64")])
+    frames = encode_frames(message, [pixels, sizes])
+    assert frames[1] is pixels  # no copy, no encoding
+    decoded, buffers = decode_to_worker([memoryview(f).cast("B") for f in frames])
+    assert decoded == message
+    assert np.array_equal(np.frombuffer(buffers[0], np.float32).reshape(2, 3, 4, 4), pixels)
+    assert np.array_equal(np.frombuffer(buffers[1], np.int64).reshape(2, 2), sizes)
+
+
+@pytest.mark.parametrize(
+    "tensors, buffers",
+    [
+        ([Tensor("pixel_values", [2, 2], "float32")], []),  # a frame missing
+        ([], [b"\0" * 16]),  # a frame too many
+        ([Tensor("pixel_values", [2, 2], "float32")], [b"\0" * 15]),  # short
+        ([Tensor("pixel_values", [2, 2], "complex128")], [b"\0" * 64]),  # no such dtype here
+        ([Tensor("pixel_values", [-2, -2], "float32")], [b"\0" * 16]),
+    ],
+)
+def test_tensor_frames_that_do_not_match_are_refused(tensors, buffers):
+    with pytest.raises(ProtocolError):
+        decode_to_worker(encode_frames(AddRequest("r", [1], Sampling(max_tokens=1), tensors), buffers))
 
 
 def test_directions_do_not_mix():
     with pytest.raises(ProtocolError):
-        decode_to_worker(encode(Heartbeat(1, 1, 0, 0)))
+        decode_to_worker([encode(Heartbeat(1, 1, 0, 0))])
     with pytest.raises(ProtocolError):
         decode_from_worker(encode(Abort(["x"])))
 
@@ -96,7 +127,7 @@ def test_directions_do_not_mix():
 )
 def test_unreadable_frames_raise_protocol_error(frame):
     with pytest.raises(ProtocolError):
-        decode_to_worker(frame)
+        decode_to_worker([frame])
 
 
 def test_nothing_is_pickled():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import make_logits_processors
 
@@ -15,6 +16,7 @@ from protocol import AddRequest, RequestOutput, TokenLogprob
 from worker.grammar import GrammarError, Grammars
 from worker.prefix_cache import PrefixCache
 from worker.sampling import make_sampler
+from worker.vision import VisionPrefill
 
 MAX_TOP_LOGPROBS = 20
 
@@ -36,8 +38,10 @@ class Engine:
         prefill_step_size: int,
         grammars: Grammars | None = None,
         prefix_cache: PrefixCache | None = None,
+        vision: VisionPrefill | None = None,
     ) -> None:
         self.grammars = grammars
+        self.vision = vision
         self.prefix_cache = prefix_cache
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
@@ -55,6 +59,8 @@ class Engine:
         self._waiting: set[str] = set()
         self._top_logprobs: dict[str, int] = {}  # requests that want logprobs, and how many alternatives
         self._cached_tokens: dict[str, int] = {}  # to report on each request's first output
+        # Prefix-cache keys of requests with images (see worker.vision.images_key).
+        self._cache_keys: dict[str, list[int]] = {}
 
     @property
     def has_work(self) -> bool:
@@ -94,8 +100,14 @@ class Engine:
             raise InvalidRequest(f"logit_bias names token id {bad}, outside the vocabulary (size {self.vocab_size})")
         if s.logprobs is not None and not 0 <= s.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        if request.tensors:
+            if self.vision is None:
+                raise InvalidRequest("this worker's model is text-only: it takes no images")
+            if self.vision.image_token_id not in prompt or prompt[-1] == self.vision.image_token_id:
+                raise InvalidRequest("a request with images needs image placeholder tokens, and text after them")
 
-    def add(self, request: AddRequest) -> None:
+    def add(self, request: AddRequest, buffers: list[memoryview] = ()) -> None:
+        """Queue a request; `buffers` hold its tensors' bytes (its images)."""
         self._check(request)
         s = request.sampling
         stop_ids = list(s.stop_token_ids) + ([] if s.ignore_eos else self.eos_token_ids)
@@ -118,11 +130,22 @@ class Engine:
             except GrammarError as e:
                 raise InvalidRequest(f"unusable grammar: {e}") from None
         prompt = request.prompt_token_ids
-        cache, reused = self.prefix_cache.take(prompt) if self.prefix_cache else (None, 0)
+        key = self.vision.cache_key(prompt, buffers) if request.tensors else prompt
+        cache, reused = self.prefix_cache.take(key) if self.prefix_cache else (None, 0)
+        rest, done = prompt[reused:], prompt[:reused]
+        if request.tensors:
+            tensors = {t.name: np.frombuffer(b, dtype=t.dtype).reshape(t.shape)
+                       for t, b in zip(request.tensors, buffers)}
+            try:
+                cache = self.vision.prefill(prompt, tensors, cache, reused)
+            except (ValueError, TypeError, IndexError) as e:  # inputs this model cannot take
+                raise InvalidRequest(f"the vision model cannot take these inputs: {e}") from None
+            rest, done = prompt[-1:], prompt[:-1]
+            self._cache_keys[request.request_id] = key
         (uid,) = self._generator.insert(
-            [prompt[reused:]],
+            [rest],
             caches=[cache],
-            all_tokens=[prompt[:reused]],
+            all_tokens=[done],
             max_tokens=[max_tokens],
             samplers=[make_sampler(s)],
             logits_processors=[processors],
@@ -140,8 +163,8 @@ class Engine:
         uids = [self._uid_of[r] for r in request_ids if r in self._uid_of]
         if uids:
             caches = self._generator.remove(uids, return_prompt_caches=self.prefix_cache is not None)
-            for cache, tokens in caches.values():
-                self.prefix_cache.keep(tokens, cache)
+            for uid, (cache, tokens) in caches.items():
+                self.prefix_cache.keep(self._cache_key(uid, tokens), cache)
         for uid in uids:
             self._forget(uid)
 
@@ -156,6 +179,13 @@ class Engine:
         self._waiting.discard(request_id)
         self._top_logprobs.pop(request_id, None)
         self._cached_tokens.pop(request_id, None)
+        self._cache_keys.pop(request_id, None)
+
+    def _cache_key(self, uid: int, tokens: list[int]) -> list[int]:
+        """What a request's KV state is filed under: its tokens, with image
+        positions keyed by the images' content."""
+        key = self._cache_keys.get(self._request_of[uid])
+        return tokens if key is None else key + list(tokens[len(key):])
 
     def step(self) -> list[RequestOutput]:
         """One continuous-batching step: a prefill chunk and/or one decode token each."""
@@ -174,7 +204,7 @@ class Engine:
                 wanted.append((outputs[-1], r, k))
             if r.finish_reason is not None:
                 if self.prefix_cache is not None:
-                    self.prefix_cache.keep(r.all_tokens, r.prompt_cache)
+                    self.prefix_cache.keep(self._cache_key(r.uid, r.all_tokens), r.prompt_cache)
                 self._forget(r.uid)
         if wanted:
             self._attach_logprobs(wanted)

@@ -11,8 +11,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map, tree_unflatten
 from mlx_lm.utils import load as mlx_lm_load
+from mlx_lm.utils import load_tokenizer
 
 from worker.model_source import resolve_model
+from worker.vision import PROCESSOR_FILE_NAMES, is_vision_model, load_vision_model
 
 log = logging.getLogger("mlxd.worker.model")
 
@@ -44,6 +46,8 @@ class LoadedModel:
     vocab_size: int
     context_length: int
     tokenizer_files: dict[str, bytes]
+    # A vision-language model (mlx-vlm): `model` is the whole of it.
+    image_token_id: int | None = None
 
 
 def _text_config(config: dict) -> dict:
@@ -90,7 +94,14 @@ def load_model(spec: str, context_length: int | None = None, cpu_dequantize: boo
     path, name = resolve_model(spec)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"model {spec!r}: {path / 'config.json'} is missing")
-    model, tokenizer = mlx_lm_load(str(path))
+    image_token_id = None
+    if is_vision_model(path):
+        model, image_token_id = load_vision_model(path)
+        eos = json.loads((path / "config.json").read_text()).get("eos_token_id")
+        tokenizer = load_tokenizer(path, eos_token_ids=eos)
+    else:
+        model, tokenizer = mlx_lm_load(str(path))
+    shared_files = TOKENIZER_FILE_NAMES | (PROCESSOR_FILE_NAMES if image_token_id is not None else set())
     if cpu_dequantize and mx.default_device() == mx.cpu:
         if count := dequantize_for_cpu(model):
             log.info("CPU backend: dequantized %d quantized layers to float32 for BLAS", count)
@@ -105,6 +116,7 @@ def load_model(spec: str, context_length: int | None = None, cpu_dequantize: boo
         vocab_size=config["vocab_size"],
         context_length=min(context_length, model_context) if context_length else model_context,
         tokenizer_files={
-            f.name: f.read_bytes() for f in sorted(path.iterdir()) if f.name in TOKENIZER_FILE_NAMES
+            f.name: f.read_bytes() for f in sorted(path.iterdir()) if f.name in shared_files
         },
+        image_token_id=image_token_id,
     )

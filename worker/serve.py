@@ -42,6 +42,7 @@ from worker.prefix_cache import PrefixCache
 from worker.transport import TransportError, connect
 from worker.model import load_model
 from worker.model_source import ModelNotFound
+from worker.vision import VisionPrefill
 from protocol.worker_settings import WorkerSettings
 
 log = logging.getLogger("mlxd.worker")
@@ -74,17 +75,18 @@ class Worker:
             log.debug("gateway not reachable; dropped a %s message", type(message).__name__)
 
     def receive(self, timeout_ms: int) -> list:
-        """Every message waiting now, blocking up to timeout_ms for the first."""
+        """Every message waiting now, each with the buffers of its tensors
+        (an AddRequest's images), blocking up to timeout_ms for the first."""
         messages = []
         if not self.socket.poll(timeout_ms):
             return messages
         while True:
             try:
-                frame = self.socket.recv(zmq.NOBLOCK)
+                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return messages
             try:
-                messages.append(decode_to_worker(frame))
+                messages.append(decode_to_worker([f.buffer for f in frames]))
             except ProtocolError as e:
                 log.warning("rejected an unreadable message: %s", e)
                 self.send(Error(None, f"unreadable message: {e}"))
@@ -92,15 +94,15 @@ class Worker:
     def handle(self, messages: list) -> None:
         # Aborts first: a request added and aborted in the same batch of
         # messages never reaches the engine.
-        aborted = {r for m in messages if isinstance(m, Abort) for r in m.request_ids}
+        aborted = {r for m, _ in messages if isinstance(m, Abort) for r in m.request_ids}
         if aborted:
             self.engine.abort(list(aborted))
-        for m in messages:
+        for m, buffers in messages:
             if isinstance(m, AddRequest) and m.request_id not in aborted and self.drain_deadline is not None:
                 self.handed_back.append(m.request_id)  # crossed our Draining on the wire
             elif isinstance(m, AddRequest) and m.request_id not in aborted:
                 try:
-                    self.engine.add(m)
+                    self.engine.add(m, buffers)
                 except InvalidRequest as e:
                     self.send(Error(m.request_id, str(e)))
             elif isinstance(m, Welcome) and m.epoch == self.hello.epoch:
@@ -119,7 +121,7 @@ class Worker:
             return
         late = self.receive(0)
         self.handle(late)
-        aborted = {r for m in late if isinstance(m, Abort) for r in m.request_ids}
+        aborted = {r for m, _ in late if isinstance(m, Abort) for r in m.request_ids}
         outputs = [o for o in outputs if o.request_id not in aborted]
         if outputs:
             self.send(StepOutput(self.engine.steps, outputs))
@@ -192,8 +194,11 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         log.error("cannot load the model: %s", e)
         return 1
     log.info("loaded %s from %s in %.1fs", loaded.name, loaded.path, time.monotonic() - started)
+    vision = None
+    if loaded.image_token_id is not None:
+        vision = VisionPrefill(loaded.model, loaded.image_token_id, settings.prefill_chunk)
     engine = Engine(
-        loaded.model,
+        vision.language_model if vision else loaded.model,
         eos_token_ids=loaded.eos_token_ids,
         vocab_size=loaded.vocab_size,
         context_length=loaded.context_length,
@@ -202,6 +207,7 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         prefill_step_size=settings.prefill_chunk,
         grammars=Grammars(loaded.hf_tokenizer, loaded.vocab_size, loaded.eos_token_ids),
         prefix_cache=PrefixCache(settings.prefix_cache_bytes) if settings.prefix_cache_bytes else None,
+        vision=vision,
     )
     hello = Hello(
         protocol_version=PROTOCOL_VERSION,
@@ -213,6 +219,7 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         capacity=settings.max_batch,
         eos_token_ids=loaded.eos_token_ids,
         tokenizer_files=loaded.tokenizer_files,
+        vision=vision is not None,
     )
     try:
         worker = Worker(settings, engine, hello, affinity)

@@ -1,0 +1,143 @@
+"""Image inputs: where they may come from, how large they may be, and decoding.
+
+Images come inline (OpenAI `data:` URLs, Anthropic base64 sources) or, only
+for hosts named by --allow-image-hosts, from http(s) URLs the gateway fetches
+itself, with a size and a time limit and no redirects. Local files are never
+read. Only PNG, JPEG and WebP are decoded, and an image's dimensions are
+checked from its header before its pixels are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import re
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from PIL import Image
+
+from gateway.errors import APIError
+from gateway.settings import GatewaySettings
+
+FORMATS = ("PNG", "JPEG", "WEBP")
+_DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)", re.S)
+
+
+@dataclass
+class ImageSource:
+    """One image of a request, as the client gave it."""
+
+    param: str  # where it is in the request, for error messages
+    data: str | None = None  # base64
+    url: str | None = None  # data: or http(s)
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        raise urllib.error.HTTPError(req.full_url, code, f"redirect to {newurl} not followed", headers, fp)
+
+
+_opener = urllib.request.build_opener(_NoRedirects)
+
+
+class ImageLoader:
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.allowed_hosts = {h.lower() for h in settings.allow_image_hosts}
+
+    async def load(self, sources: list[ImageSource]) -> list[Image.Image]:
+        """The request's images, decoded; a 400 or 413 naming the first that
+        breaks a rule."""
+        s = self.settings
+        if len(sources) > s.max_images_per_request:
+            raise APIError(400, f"the request has {len(sources)} images; this server takes at most "
+                                f"{s.max_images_per_request} per request", param=sources[-1].param,
+                           code="too_many_images")
+        blobs = await asyncio.gather(*(self._bytes(source) for source in sources))
+        total = sum(len(b) for b in blobs)
+        if total > s.max_request_image_bytes:
+            raise APIError(413, f"the request's images hold {total} bytes; this server takes at most "
+                                f"{s.max_request_image_bytes} per request", code="image_too_large")
+        return await asyncio.to_thread(lambda: [self._decode(b, src.param) for b, src in zip(blobs, sources)])
+
+    async def _bytes(self, source: ImageSource) -> bytes:
+        if source.data is not None:
+            return self._base64(source.data, source.param)
+        url = source.url or ""
+        if url.startswith("data:"):
+            match = _DATA_URL.fullmatch(url)
+            if match is None:
+                raise APIError(400, "a data: URL for an image must be base64 (data:image/png;base64,...)",
+                               param=source.param, code="invalid_image_url")
+            return self._base64(match["data"], source.param)
+        scheme = urlsplit(url).scheme.lower()
+        if scheme in ("http", "https"):
+            return await self._fetch(url, source.param)
+        raise APIError(400, "an image must be inline (a data: URL or base64) or an http(s) URL of an allowed "
+                            "host; this server never reads local files", param=source.param, code="invalid_image_url")
+
+    def _base64(self, data: str, param: str) -> bytes:
+        limit = self.settings.max_image_bytes
+        if len(data) * 3 // 4 > limit + 3:
+            raise APIError(413, f"an image is larger than this server's limit of {limit} bytes", param=param,
+                           code="image_too_large")
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise APIError(400, "the image is not valid base64", param=param, code="invalid_image") from None
+        if len(raw) > limit:
+            raise APIError(413, f"an image is larger than this server's limit of {limit} bytes", param=param,
+                           code="image_too_large")
+        return raw
+
+    async def _fetch(self, url: str, param: str) -> bytes:
+        parts = urlsplit(url)
+        host = (parts.hostname or "").lower()
+        if host not in self.allowed_hosts and parts.netloc.lower() not in self.allowed_hosts:
+            raise APIError(400, f"image URLs of host {host!r} are not allowed on this server "
+                                "(see --allow-image-hosts); send the image inline instead", param=param,
+                           code="image_host_not_allowed")
+        timeout = self.settings.image_fetch_timeout_s
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self._download, url, timeout, param), timeout)
+        except TimeoutError:
+            raise APIError(400, f"the image at {url} did not arrive within {timeout:g}s", param=param,
+                           code="image_fetch_failed") from None
+
+    def _download(self, url: str, timeout: float, param: str) -> bytes:
+        limit = self.settings.max_image_bytes
+        try:
+            with _opener.open(urllib.request.Request(url, headers={"User-Agent": "mlxd"}), timeout=timeout) as r:
+                data = r.read(limit + 1)
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise APIError(400, f"could not fetch the image at {url}: {e}", param=param,
+                           code="image_fetch_failed") from None
+        if len(data) > limit:
+            raise APIError(413, f"the image at {url} is larger than this server's limit of {limit} bytes",
+                           param=param, code="image_too_large")
+        return data
+
+    def _decode(self, data: bytes, param: str) -> Image.Image:
+        limit = self.settings.max_image_pixels
+        try:
+            image = Image.open(io.BytesIO(data), formats=FORMATS)
+        except Image.DecompressionBombError:
+            raise APIError(413, f"the image has more than this server's limit of {limit} pixels", param=param,
+                           code="image_too_large") from None
+        except (OSError, SyntaxError, ValueError):
+            raise APIError(400, "the image is not a readable PNG, JPEG or WebP image", param=param,
+                           code="invalid_image") from None
+        width, height = image.size
+        if width * height > limit:
+            raise APIError(413, f"the image is {width}x{height} pixels; this server takes at most {limit} pixels "
+                                "per image", param=param, code="image_too_large")
+        try:
+            image.load()
+        except (OSError, SyntaxError, ValueError):
+            raise APIError(400, "the image is corrupt or truncated", param=param, code="invalid_image") from None
+        return image.convert("RGB")
