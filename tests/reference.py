@@ -53,3 +53,41 @@ class Reference:
                 break
         text_tokens = tokens[:-1] if finish == "stop" else tokens
         return Expected(tokens, self.decode(text_tokens), finish, logprobs)
+
+
+class VisionReference:
+    """mlx-vlm in-process, on the inputs the model's own processor makes (the
+    processor the gateway runs: transformers' LLaVA processor)."""
+
+    def __init__(self, path: Path) -> None:
+        from mlx_vlm import load as load_vlm
+        from transformers import LlavaProcessor
+
+        self.model, self._vlm_processor = load_vlm(str(path))
+        self.processor = LlavaProcessor.from_pretrained(str(path))
+        self.tokenizer = self.processor.tokenizer
+        self.eos_token_ids = {self.tokenizer.convert_tokens_to_ids("<|im_end|>")}
+
+    def inputs(self, messages: list[dict], images: list) -> dict:
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if not images:
+            return {"input_ids": mx.array([self.tokenizer.encode(text, add_special_tokens=False)])}
+        out = self.processor(text=[text], images=images, return_tensors="np", add_special_tokens=False)
+        return {"input_ids": mx.array(out["input_ids"]), "pixel_values": mx.array(out["pixel_values"])}
+
+    def greedy(self, messages: list[dict], images: list, max_tokens: int) -> Expected:
+        from mlx_vlm.generate import stream_generate
+
+        tokens: list[int] = []
+        finish = "length"
+        for result in stream_generate(self.model, self._vlm_processor, "", max_tokens=max_tokens, temperature=0.0,
+                                      **self.inputs(messages, images)):
+            tokens.append(int(result.token))
+            if tokens[-1] in self.eos_token_ids:
+                finish = "stop"
+                break
+            if len(tokens) == max_tokens:
+                break
+        text_tokens = tokens[:-1] if finish == "stop" else tokens
+        text = self.tokenizer.decode(text_tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return Expected(tokens, text, finish)

@@ -1,0 +1,297 @@
+"""Vision: images through the real stack (gateway processor, raw ZeroMQ
+frames, mlx-vlm on the worker's main thread) beside text, against mlx-vlm
+in-process."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import anthropic
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from tests.conftest import Server, wait_for
+from tests.tiny_vision_model import IMAGE_SIZE, make_tiny_vision_model
+
+MODEL = "tiny-vision"
+QUESTION = "What is in this picture?"
+
+
+def image(seed: int, size: tuple[int, int] = (IMAGE_SIZE, IMAGE_SIZE)) -> Image.Image:
+    pixels = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype(np.uint8)
+    return Image.fromarray(pixels)
+
+
+def encoded(img: Image.Image, fmt: str = "PNG") -> bytes:
+    out = io.BytesIO()
+    img.save(out, fmt)
+    return out.getvalue()
+
+
+def data_url(img: Image.Image, fmt: str = "PNG") -> str:
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(encoded(img, fmt)).decode()
+
+
+def openai_messages(url: str, question: str = QUESTION) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": question}]}]
+
+
+def template_messages(n_images: int, question: str = QUESTION) -> list[dict]:
+    """The same messages as the chat template sees them."""
+    return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": question}]}]
+
+
+@pytest.fixture(scope="module")
+def vision_model(tmp_path_factory):
+    return make_tiny_vision_model(tmp_path_factory.mktemp("models") / "tiny-vision")
+
+
+@pytest.fixture(scope="module")
+def vision_reference(vision_model):
+    from tests.reference import VisionReference
+
+    return VisionReference(vision_model)
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    """A local HTTP server with one PNG (and a redirect to it), for --allow-image-hosts."""
+    png = encoded(image(7))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/redirect":
+                self.send_response(302)
+                self.send_header("Location", "/cat.png")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(png)))
+            self.end_headers()
+            self.wfile.write(png)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{httpd.server_port}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def vision_server(vision_model, image_host, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "vision.log"
+    srv = Server(
+        ["serve", "--model", str(vision_model), "--served-model-name", MODEL, "--heartbeat-s", "0.05",
+         "--allow-image-hosts", image_host, "--max-images-per-request", "3", "--max-image-pixels", "40000",
+         "--max-image-bytes", "300000"],
+        log,
+        env={"MLXD_AFFINITY_AUDIT": "1"},
+    )
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def client(vision_server):
+    return openai.OpenAI(base_url=vision_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def chat(client, messages, max_tokens=16, **kwargs):
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,
+                                          temperature=kwargs.pop("temperature", 0), **kwargs)
+
+
+def test_openai_image_answer_equals_mlx_vlm(client, vision_reference):
+    img = image(0)
+    expected = vision_reference.greedy(template_messages(1), [img], 16)
+    response = chat(client, openai_messages(data_url(img)))
+    assert response.choices[0].message.content == expected.text
+    assert response.choices[0].finish_reason == expected.finish_reason
+    assert response.usage.prompt_tokens == vision_reference.inputs(template_messages(1), [img])["input_ids"].size
+    # The image decides the answer: another image, another answer.
+    other = chat(client, openai_messages(data_url(image(1))))
+    assert other.choices[0].message.content == vision_reference.greedy(template_messages(1), [image(1)], 16).text
+    assert other.choices[0].message.content != expected.text
+
+
+def test_jpeg_webp_and_several_images(client, vision_reference):
+    for fmt in ("JPEG", "WEBP"):
+        img = image(2)
+        # What the server decodes is what the reference must see (JPEG is lossy).
+        decoded = Image.open(io.BytesIO(encoded(img, fmt))).convert("RGB")
+        response = chat(client, openai_messages(data_url(img, fmt)))
+        assert response.choices[0].message.content == vision_reference.greedy(template_messages(1), [decoded], 16).text
+    images = [image(3), image(4)]
+    content = [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in images]
+    response = chat(client, [{"role": "user", "content": content + [{"type": "text", "text": QUESTION}]}])
+    assert response.choices[0].message.content == vision_reference.greedy(template_messages(2), images, 16).text
+
+
+def test_anthropic_image_answer_equals_mlx_vlm(vision_server, vision_reference):
+    img = image(5)
+    expected = vision_reference.greedy(template_messages(1), [img], 12)
+    client = anthropic.Anthropic(base_url=vision_server.url, api_key="unused", max_retries=0)
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(encoded(img)).decode()}
+    message = client.messages.create(
+        model=MODEL, max_tokens=12, extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": [{"type": "image", "source": source},
+                                               {"type": "text", "text": QUESTION}]}],
+    )
+    assert message.content[0].text == expected.text
+    with client.messages.stream(
+        model=MODEL, max_tokens=12, extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": [{"type": "image", "source": source},
+                                               {"type": "text", "text": QUESTION}]}],
+    ) as stream:
+        assert "".join(stream.text_stream) == expected.text
+
+
+def test_allowed_host_is_fetched_and_others_are_not(client, vision_reference, image_host):
+    expected = vision_reference.greedy(template_messages(1), [image(7)], 16)
+    response = chat(client, openai_messages(f"http://{image_host}/cat.png"))
+    assert response.choices[0].message.content == expected.text
+    with pytest.raises(openai.BadRequestError, match="redirect"):
+        chat(client, openai_messages(f"http://{image_host}/redirect"))
+
+
+def test_mixed_batch_keeps_each_request_its_own_sampling(client, vision_server, vision_reference):
+    """Vision and text requests decode in one batch, greedy beside hot
+    sampling: every greedy one equals its single-request output."""
+    greedy_images = [image(10), image(11)]
+    expected_vision = [vision_reference.greedy(template_messages(1), [i], 24).text for i in greedy_images]
+    text_messages = [{"role": "user", "content": "Tell me a story about the capital of France."}]
+    expected_text = vision_reference.greedy(text_messages, [], 24).text
+
+    def run(job):
+        kind, arg, temperature = job
+        messages = openai_messages(data_url(arg)) if kind == "vision" else text_messages
+        return chat(client, messages, max_tokens=24, temperature=temperature,
+                    extra_body={"ignore_eos": temperature > 0}).choices[0].message.content
+
+    jobs = [("vision", greedy_images[0], 0), ("text", None, 2.0), ("vision", image(12), 2.0),
+            ("text", None, 0), ("vision", greedy_images[1], 0), ("vision", image(13), 1.5), ("text", None, 1.8)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(run, jobs))
+    assert answers[0] == expected_vision[0]
+    assert answers[3] == expected_text
+    assert answers[4] == expected_vision[1]
+    vision_server.wait_idle()
+
+
+def test_images_one_pixel_apart_never_share_cached_state(client, vision_reference):
+    """The prefix cache keys image positions by the images' content."""
+    a = image(20)
+    pixels = np.array(a)
+    pixels[IMAGE_SIZE // 2, IMAGE_SIZE // 2] ^= 0xFF
+    b = Image.fromarray(pixels)
+    question = "Describe the colours you see."
+    prompt_length = vision_reference.inputs(template_messages(1, question), [a])["input_ids"].size
+    before_image = len(vision_reference.tokenizer.encode("<|im_start|>user\n", add_special_tokens=False))
+
+    first = chat(client, openai_messages(data_url(a), question))
+    again = chat(client, openai_messages(data_url(a), question))
+    other = chat(client, openai_messages(data_url(b), question))
+    assert again.usage.prompt_tokens_details.cached_tokens == prompt_length - 1  # the image's state reused
+    assert other.usage.prompt_tokens_details.cached_tokens <= before_image  # nothing past the image
+    assert first.choices[0].message.content == again.choices[0].message.content
+    assert other.choices[0].message.content == vision_reference.greedy(template_messages(1, question), [b], 16).text
+
+
+@pytest.mark.parametrize(
+    "url, status, words",
+    [
+        ("http://example.com/cat.png", 400, "not allowed"),
+        ("https://10.0.0.1/cat.png", 400, "not allowed"),
+        ("file:///etc/passwd", 400, "never reads local files"),
+        ("/etc/passwd", 400, "never reads local files"),
+        ("cat.png", 400, "never reads local files"),
+        ("data:image/png;base64,!!!not base64!!!", 400, "base64"),
+        ("data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 64).decode(), 400, "PNG"),
+        ("data:image/png;base64," + base64.b64encode(encoded(image(0))[:150]).decode(), 400, "corrupt"),
+        ("data:image/gif;base64," + base64.b64encode(encoded(image(0), "GIF")).decode(), 400, "PNG, JPEG or WebP"),
+        (data_url(image(0, (300, 300))), 413, "pixels"),  # 90,000 > --max-image-pixels 40000
+        ("data:image/png;base64," + base64.b64encode(b"\0" * 400_000).decode(), 413, "larger"),
+    ],
+    ids=["http-not-allowed", "https-not-allowed", "file-url", "absolute-path", "bare-path", "bad-base64",
+         "not-an-image", "truncated", "gif", "too-many-pixels", "too-many-bytes"],
+)
+def test_bad_images_get_a_clear_4xx(vision_server, url, status, words):
+    body = {"model": MODEL, "max_tokens": 4, "messages": openai_messages(url)}
+    response = vision_server.http.post("/v1/chat/completions", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert words in error["message"]
+    assert error["param"] == "messages[0].content[0]"
+
+
+def test_image_limits_per_request(vision_server):
+    url = data_url(image(0))
+    content = [{"type": "image_url", "image_url": {"url": url}}] * 4 + [{"type": "text", "text": QUESTION}]
+    response = vision_server.http.post("/v1/chat/completions", json={
+        "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": content}]})
+    assert response.status_code == 400
+    assert "at most 3" in response.json()["error"]["message"]
+    anthropic_body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "file:///etc/passwd"}}]}]}
+    response = vision_server.http.post("/v1/messages", json=anthropic_body)
+    assert response.status_code == 400
+    assert response.json()["type"] == "error"
+    assert "never reads local files" in response.json()["error"]["message"]
+
+
+def test_bad_image_costs_no_other_request_its_answer(client, vision_server, vision_reference):
+    img = image(30)
+    expected = vision_reference.greedy(template_messages(1), [img], 24).text
+
+    def good():
+        return chat(client, openai_messages(data_url(img)), max_tokens=24).choices[0].message.content
+
+    def bad(i):
+        url = ["file:///etc/passwd", "data:image/png;base64,AAAA", "http://example.com/x.png"][i % 3]
+        return vision_server.http.post("/v1/chat/completions", json={
+            "model": MODEL, "max_tokens": 4, "messages": openai_messages(url)}).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        goods = [pool.submit(good) for _ in range(3)]
+        bads = [pool.submit(bad, i) for i in range(9)]
+        assert [f.result() for f in goods] == [expected] * 3
+        assert all(f.result() == 400 for f in bads)
+
+
+def test_affinity_audit_across_vision_and_text_with_aborts(vision_server):
+    wait_for(lambda: "affinity" in vision_server.health()["worker"], 5, "the audit's first report")
+    before = vision_server.health()["worker"]["affinity"]["evaluations"]
+
+    def stream(i: int) -> None:
+        content = openai_messages(data_url(image(40 + i))) if i % 2 else "Count to a hundred."
+        if isinstance(content, str):
+            content = [{"role": "user", "content": content}]
+        body = {"model": MODEL, "messages": content, "max_tokens": 200, "temperature": 0.9, "seed": i,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", vision_server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if i % 3 == 0 and n >= 10:
+                    return  # the client leaves: an abort
+
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(stream, range(6)))
+    vision_server.wait_idle()
+    affinity = vision_server.health()["worker"]["affinity"]
+    assert affinity["evaluations"] > before + 100
+    assert affinity["off_main_thread"] == 0
