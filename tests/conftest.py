@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -124,6 +125,17 @@ class Server:
         self._log.close()
 
 
+@contextlib.contextmanager
+def running(args: list[str], log_path: Path, env: dict | None = None):
+    """A Server that is ready, stopped when the block ends."""
+    srv = Server(args, log_path, env)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
@@ -136,16 +148,9 @@ MODEL_NAME = "tiny"
 def server(tiny_model, tmp_path_factory):
     """`mlxd serve` with the affinity audit on and a fast heartbeat."""
     log = tmp_path_factory.mktemp("logs") / "serve.log"
-    srv = Server(
-        ["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME, "--heartbeat-s", "0.05"],
-        log,
-        env={"MLXD_AFFINITY_AUDIT": "1"},
-    )
-    try:
-        srv.wait_ready()
+    with running(["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME, "--heartbeat-s", "0.05"],
+                 log, env={"MLXD_AFFINITY_AUDIT": "1"}) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="session")

@@ -66,7 +66,6 @@ class VisionReference:
         self.model, self._vlm_processor = load_vlm(str(path))
         self.processor = LlavaProcessor.from_pretrained(str(path))
         self.tokenizer = self.processor.tokenizer
-        self.eos_token_ids = {self.tokenizer.convert_tokens_to_ids("<|im_end|>")}
 
     def inputs(self, messages: list[dict], images: list) -> dict:
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -75,19 +74,21 @@ class VisionReference:
         out = self.processor(text=[text], images=images, return_tensors="np", add_special_tokens=False)
         return {"input_ids": mx.array(out["input_ids"]), "pixel_values": mx.array(out["pixel_values"])}
 
-    def greedy(self, messages: list[dict], images: list, max_tokens: int) -> Expected:
+    def greedy(self, messages: list[dict], images: list, max_tokens: int, ignore_eos: bool = False) -> Expected:
+        """mlx-vlm's own generation loop; it ends at EOS without yielding it
+        (so token_ids never hold the EOS)."""
         from mlx_vlm.generate import stream_generate
 
-        tokens: list[int] = []
-        finish = "length"
-        for result in stream_generate(self.model, self._vlm_processor, "", max_tokens=max_tokens, temperature=0.0,
-                                      **self.inputs(messages, images)):
-            tokens.append(int(result.token))
-            if tokens[-1] in self.eos_token_ids:
-                finish = "stop"
-                break
-            if len(tokens) == max_tokens:
-                break
-        text_tokens = tokens[:-1] if finish == "stop" else tokens
-        text = self.tokenizer.decode(text_tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        criteria = self._vlm_processor.tokenizer.stopping_criteria
+        eos = list(criteria.eos_token_ids)
+        criteria.reset([] if ignore_eos else eos)
+        try:
+            tokens = [int(r.token) for r in stream_generate(self.model, self._vlm_processor, "", max_tokens=max_tokens,
+                                                            temperature=0.0, **self.inputs(messages, images))]
+        finally:
+            criteria.reset(eos)
+        # The loop may run one token past max_tokens.
+        finish = "length" if len(tokens) >= max_tokens else "stop"
+        tokens = tokens[:max_tokens]
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         return Expected(tokens, text, finish)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.conftest import Server
+from tests.conftest import running
 from tests.reference import Reference
 from worker.model_source import DEFAULT_MODEL_NAME, cache_dir
 
@@ -17,12 +17,8 @@ def default_server(tmp_path_factory):
     model_dir = cache_dir() / "models" / DEFAULT_MODEL_NAME
     # Tests never download: `make test` prepares the model first (`make model`).
     assert (model_dir / "config.json").exists(), f"{model_dir} is missing; run `make model`"
-    srv = Server(["serve"], tmp_path_factory.mktemp("default") / "serve.log")
-    try:
-        srv.wait_ready()
+    with running(["serve"], tmp_path_factory.mktemp("default") / "serve.log") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_paris(default_server):

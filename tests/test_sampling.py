@@ -77,6 +77,16 @@ def test_filters_that_leave_one_token_are_greedy(client, reference, params):
     assert text == expected.text
 
 
+def test_top_k_of_the_whole_vocabulary_filters_nothing(client, reference):
+    """Found by the fuzzer: top_k equal to the vocabulary size was a 500."""
+    vocab = reference.model.args.vocab_size
+    texts = [
+        chat(client, max_tokens=16, temperature=1.0, seed=5, ignore_eos=True, top_k=k).choices[0].message.content
+        for k in (0, vocab, 10**6)
+    ]
+    assert texts[0] == texts[1] == texts[2]
+
+
 @pytest.mark.parametrize(
     "params",
     [

@@ -7,6 +7,9 @@ from __future__ import annotations
 import base64
 import http.server
 import io
+import json
+import os
+import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,7 +20,7 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.conftest import Server, wait_for
+from tests.conftest import running, wait_for
 from tests.tiny_vision_model import IMAGE_SIZE, make_tiny_vision_model
 
 MODEL = "tiny-vision"
@@ -93,18 +96,10 @@ def image_host():
 @pytest.fixture(scope="module")
 def vision_server(vision_model, image_host, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "vision.log"
-    srv = Server(
-        ["serve", "--model", str(vision_model), "--served-model-name", MODEL, "--heartbeat-s", "0.05",
-         "--allow-image-hosts", image_host, "--max-images-per-request", "3", "--max-image-pixels", "40000",
-         "--max-image-bytes", "300000"],
-        log,
-        env={"MLXD_AFFINITY_AUDIT": "1"},
-    )
-    try:
-        srv.wait_ready()
+    with running(["serve", "--model", str(vision_model), "--served-model-name", MODEL, "--heartbeat-s", "0.05",
+                  "--allow-image-hosts", image_host, "--max-images-per-request", "3", "--max-image-pixels", "40000",
+                  "--max-image-bytes", "300000"], log, env={"MLXD_AFFINITY_AUDIT": "1"}) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture
@@ -295,3 +290,25 @@ def test_affinity_audit_across_vision_and_text_with_aborts(vision_server):
     affinity = vision_server.health()["worker"]["affinity"]
     assert affinity["evaluations"] > before + 100
     assert affinity["off_main_thread"] == 0
+
+
+def test_image_request_resumes_on_the_next_worker(vision_server, vision_reference):
+    """kill -9 mid-stream: the request, images included, continues on the
+    restarted worker and the client gets the uninterrupted answer."""
+    img = image(50)
+    expected = vision_reference.greedy(template_messages(1), [img], 400, ignore_eos=True)
+    body = {"model": MODEL, "messages": openai_messages(data_url(img)), "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    pid = vision_server.health()["worker"]["pid"]
+    text = ""
+    with httpx.stream("POST", vision_server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        for n, line in enumerate(r.iter_lines()):
+            if n == 20:
+                os.kill(pid, signal.SIGKILL)
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["delta"].get("content") or ""
+    assert text == expected.text
+    health = vision_server.health()
+    assert health["supervisor"]["restarts"] == 1
+    assert health["worker"]["requests_resumed"] == 1

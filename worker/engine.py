@@ -147,7 +147,7 @@ class Engine:
             caches=[cache],
             all_tokens=[done],
             max_tokens=[max_tokens],
-            samplers=[make_sampler(s)],
+            samplers=[make_sampler(s, self.vocab_size)],
             logits_processors=[processors],
             stop_sequences=[StopSequences([[t] for t in stop_ids])],
         )

@@ -10,7 +10,7 @@ from mlx_lm.sample_utils import Sampler, apply_min_p, apply_top_k, apply_top_p
 from protocol import Sampling
 
 
-def make_sampler(params: Sampling) -> Sampler | None:
+def make_sampler(params: Sampling, vocab_size: int) -> Sampler | None:
     """None for greedy, so every greedy request shares the generator's batched
     argmax; otherwise a sampler with its own random stream.
 
@@ -25,7 +25,7 @@ def make_sampler(params: Sampling) -> Sampler | None:
         filters.append(lambda x: apply_top_p(x, params.top_p))
     if params.min_p > 0:
         filters.append(lambda x: apply_min_p(x, params.min_p))
-    if params.top_k > 0:
+    if 0 < params.top_k < vocab_size:  # a top_k of the whole vocabulary keeps every token
         filters.append(lambda x: apply_top_k(x, params.top_k))
     keys = random.Random(params.seed)
     inverse_temperature = 1.0 / params.temperature

@@ -1,0 +1,110 @@
+"""Vision requests beside text traffic, through `mlxd serve`.
+
+    python -m tests.bench.vision_mix [--model VLM_DIR] [--text-users 8] [--vision-users 4]
+
+Two phases in one run, streaming chat completions with the harness's load
+generator: text users alone, then the same text users with vision users
+beside them (each vision request a new random image, so nothing comes from
+the prefix cache). Reports text throughput in both phases (and their
+ratio), vision throughput and time to first token. Default model: a tiny
+random-weight LLaVA built like the tests' (serving overhead dominates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import os
+import tempfile
+from pathlib import Path
+
+import httpx
+import numpy as np
+from PIL import Image
+
+from tests.bench.harness import Result, one_request, pct
+from tests.bench.serve_speed import start
+
+TEXT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
+
+
+def image_messages(seed: int, size: int) -> list[dict]:
+    pixels = (np.random.default_rng(seed).random((size, size, 3)) * 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "Describe this picture in detail."}]}]
+
+
+async def users(client: httpx.AsyncClient, model: str, count: int, requests: int, tokens: int,
+                messages, result: Result) -> None:
+    queue = list(range(requests))
+
+    async def user() -> None:
+        while queue:
+            i = queue.pop()
+            extra = {"messages": messages(i), "ignore_eos": True}
+            await one_request(client, model, tokens, extra, result)
+
+    await asyncio.gather(*(user() for _ in range(count)))
+
+
+async def phase(url: str, model: str, args, with_vision: bool) -> tuple[Result, Result]:
+    text, vision = Result(), Result()
+    limits = httpx.Limits(max_connections=args.text_users + args.vision_users)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        loop = asyncio.get_running_loop()
+        begin = loop.time()
+        jobs = [users(client, model, args.text_users, args.requests, args.tokens, lambda _: TEXT, text)]
+        if with_vision:
+            jobs.append(users(client, model, args.vision_users, args.requests // 2, args.tokens,
+                              lambda i: image_messages(1000 + i, args.image_size), vision))
+        await asyncio.gather(*jobs)
+        text.wall = vision.wall = loop.time() - begin
+    return text, vision
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="", help="a vision-language model directory (default: a tiny random LLaVA)")
+    parser.add_argument("--text-users", type=int, default=8)
+    parser.add_argument("--vision-users", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=32, help="text requests per phase (vision: half as many)")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--image-size", type=int, default=224)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model
+        if not model_dir:
+            from tests.tiny_vision_model import make_tiny_vision_model
+
+            model_dir = str(make_tiny_vision_model(Path(tmp) / "tiny-vision"))
+        proc, url, _ = start(model_dir, dict(os.environ))
+        try:
+            model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+            asyncio.run(phase(url, model, argparse.Namespace(**{**vars(args), "requests": 8}), True))  # warm-up
+            alone, _ = asyncio.run(phase(url, model, args, False))
+            beside, vision = asyncio.run(phase(url, model, args, True))
+        finally:
+            proc.terminate()
+            proc.wait()
+    print(f"model: {args.model or 'tiny random LLaVA (2 layers, 28x28 CLIP tower)'}; {args.tokens} tokens a request; "
+          f"{args.text_users} text users, {args.vision_users} vision users ({args.image_size}x{args.image_size} PNG)")
+    print("| traffic | text tok/s | vision tok/s | vision requests/s | vision TTFT p50/p99 ms | text ITL p50/p99 ms "
+          "| failures |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| text alone | {alone.tok_s:.0f} | – | – | – | {pct(alone.itls, .5):.1f} / {pct(alone.itls, .99):.1f} "
+          f"| {alone.failures} |")
+    vision_requests = len(vision.ttfts) / vision.wall if vision.wall else 0
+    print(f"| text + vision | {beside.tok_s:.0f} | {vision.tok_s:.0f} | {vision_requests:.1f} | "
+          f"{pct(vision.ttfts, .5):.0f} / {pct(vision.ttfts, .99):.0f} | "
+          f"{pct(beside.itls, .5):.1f} / {pct(beside.itls, .99):.1f} | {beside.failures + vision.failures} |")
+    print(f"text throughput beside vision: {beside.tok_s / alone.tok_s:.2f}x of text alone; "
+          f"all traffic: {(beside.tok_s + vision.tok_s) / alone.tok_s:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
