@@ -50,6 +50,7 @@ bench: install model
 	$(PY) -m tests.bench.restart --signal TERM
 	$(PY) -m tests.bench.grammar_overhead
 	$(PY) -m tests.bench.gateway_memory
+	$(PY) -m tests.bench.vision_mix
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
