@@ -25,7 +25,7 @@ from gateway.errors import APIError
 from gateway.settings import GatewaySettings
 
 FORMATS = ("PNG", "JPEG", "WEBP")
-_DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)", re.S)
+_DATA_URL = re.compile(r"data:[^,]*;base64,(?P<data>.*)", re.S)  # the media type is not trusted: decoding decides
 
 
 @dataclass

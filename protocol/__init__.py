@@ -11,7 +11,6 @@ from protocol.codec import (
     encode,
     encode_frames,
     hello_version,
-    tensor_nbytes,
 )
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -61,5 +60,4 @@ __all__ = [
     "encode",
     "encode_frames",
     "hello_version",
-    "tensor_nbytes",
 ]
