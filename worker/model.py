@@ -14,7 +14,7 @@ from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import load_tokenizer
 
 from worker.model_source import resolve_model
-from worker.vision import PROCESSOR_FILE_NAMES, is_vision_model, load_vision_model
+from worker.vision import PROCESSOR_FILE_NAMES, load_vision_model
 
 log = logging.getLogger("mlxd.worker.model")
 
@@ -94,26 +94,26 @@ def load_model(spec: str, context_length: int | None = None, cpu_dequantize: boo
     path, name = resolve_model(spec)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"model {spec!r}: {path / 'config.json'} is missing")
+    config = json.loads((path / "config.json").read_text())
     image_token_id = None
-    if is_vision_model(path):
+    if "vision_config" in config:  # a vision-language model, for mlx-vlm
         model, image_token_id = load_vision_model(path)
-        eos = json.loads((path / "config.json").read_text()).get("eos_token_id")
-        tokenizer = load_tokenizer(path, eos_token_ids=eos)
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     else:
         model, tokenizer = mlx_lm_load(str(path))
     shared_files = TOKENIZER_FILE_NAMES | (PROCESSOR_FILE_NAMES if image_token_id is not None else set())
     if cpu_dequantize and mx.default_device() == mx.cpu:
         if count := dequantize_for_cpu(model):
             log.info("CPU backend: dequantized %d quantized layers to float32 for BLAS", count)
-    config = _text_config(json.loads((path / "config.json").read_text()))
-    model_context = config.get("max_position_embeddings", DEFAULT_CONTEXT_LENGTH)
+    text_config = _text_config(config)
+    model_context = text_config.get("max_position_embeddings", DEFAULT_CONTEXT_LENGTH)
     return LoadedModel(
         model=model,
         name=name,
         path=path,
         hf_tokenizer=tokenizer._tokenizer,
         eos_token_ids=sorted(tokenizer.eos_token_ids),
-        vocab_size=config["vocab_size"],
+        vocab_size=text_config["vocab_size"],
         context_length=min(context_length, model_context) if context_length else model_context,
         tokenizer_files={
             f.name: f.read_bytes() for f in sorted(path.iterdir()) if f.name in shared_files

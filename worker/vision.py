@@ -13,7 +13,6 @@ tower: the batch runs the language model alone.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,10 +26,6 @@ PROCESSOR_FILE_NAMES = {"preprocessor_config.json", "processor_config.json"}
 
 class UnsupportedVisionModel(ValueError):
     pass
-
-
-def is_vision_model(path: Path) -> bool:
-    return "vision_config" in json.loads((path / "config.json").read_text())
 
 
 def load_vision_model(path: Path) -> tuple[nn.Module, int]:
