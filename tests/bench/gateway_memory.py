@@ -15,7 +15,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from tests.bench.harness import load
+from tests.bench.load import load
 from tests.bench.serve_speed import start
 
 

@@ -24,7 +24,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from tests.bench.harness import Result, one_request, pct
+from tests.bench.load import Client, Result, one_request, pct
 from tests.bench.serve_speed import start
 
 TEXT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
@@ -39,7 +39,7 @@ def image_messages(seed: int, size: int) -> list[dict]:
                                          {"type": "text", "text": "Describe this picture in detail."}]}]
 
 
-async def users(client: httpx.AsyncClient, model: str, count: int, requests: int, tokens: int,
+async def users(client: Client, model: str, count: int, requests: int, tokens: int,
                 messages, result: Result) -> None:
     queue = list(range(requests))
 
@@ -54,16 +54,18 @@ async def users(client: httpx.AsyncClient, model: str, count: int, requests: int
 
 async def phase(url: str, model: str, args, with_vision: bool) -> tuple[Result, Result]:
     text, vision = Result(), Result()
-    limits = httpx.Limits(max_connections=args.text_users + args.vision_users)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        loop = asyncio.get_running_loop()
-        begin = loop.time()
-        jobs = [users(client, model, args.text_users, args.requests, args.tokens, lambda _: TEXT, text)]
-        if with_vision:
-            jobs.append(users(client, model, args.vision_users, args.requests // 2, args.tokens,
-                              lambda i: image_messages(1000 + i, args.image_size), vision))
+    client = Client(url)
+    loop = asyncio.get_running_loop()
+    begin = loop.time()
+    jobs = [users(client, model, args.text_users, args.requests, args.tokens, lambda _: TEXT, text)]
+    if with_vision:
+        jobs.append(users(client, model, args.vision_users, args.requests // 2, args.tokens,
+                          lambda i: image_messages(1000 + i, args.image_size), vision))
+    try:
         await asyncio.gather(*jobs)
-        text.wall = vision.wall = loop.time() - begin
+    finally:
+        client.close()
+    text.wall = vision.wall = loop.time() - begin
     return text, vision
 
 
