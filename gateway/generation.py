@@ -1,6 +1,6 @@
 """A request's journey from worker tokens to client text.
 
-`RequestStream.render` runs on the link's detokenizer thread, once per step
+`RequestStream.render` runs on the event loop as the link receives each step
 output; the resulting Delta goes to the queue of the request's
 `RequestGroup` (one request, or `n` of them sampled from one prompt) on the
 event loop, where an API handler turns Deltas into SSE events or one body.
@@ -110,7 +110,7 @@ class RequestStream:
         self._rendered_final = False
 
     def render(self, output: RequestOutput) -> Delta | None:
-        """Detokenizer thread: the text this step adds. None once finished."""
+        """The text this step adds. None once finished."""
         if self._rendered_final:
             return None
         token_ids = output.token_ids

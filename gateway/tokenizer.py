@@ -64,6 +64,10 @@ class Tokenizer:
             for name, data in files.items():
                 (Path(tmp) / Path(name).name).write_bytes(data)
             self._tok = AutoTokenizer.from_pretrained(tmp)
+            # The Rust tokenizer itself, when there is one: the gateway decodes
+            # every streamed token twice, and transformers' decode wraps it in a
+            # Python layer that costs three times the decode.
+            self._rust = getattr(self._tok, "backend_tokenizer", None)
             if vision:
                 self.processor = AutoProcessor.from_pretrained(tmp)
                 # Vision models often keep their chat template with the processor.
@@ -116,6 +120,8 @@ class Tokenizer:
         return self._tok.encode(text, add_special_tokens=bos is None or not text.startswith(bos))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._rust is not None:
+            return self._rust.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self._tok.decode(
             token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )

