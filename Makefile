@@ -44,6 +44,7 @@ test: install model
 
 bench: install model
 	$(PY) -m tests.bench.harness --write
+	$(PY) -m tests.bench.abort
 	$(PY) -m tests.bench.prefix_cache
 	$(PY) -m tests.bench.serve_speed
 	$(PY) -m tests.bench.restart --signal KILL

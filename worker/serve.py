@@ -97,6 +97,7 @@ class Worker:
         aborted = {r for m, _ in messages if isinstance(m, Abort) for r in m.request_ids}
         if aborted:
             self.engine.abort(list(aborted))
+            log.debug("aborted %s after step %d", " ".join(sorted(aborted)), self.engine.steps)
         for m, buffers in messages:
             if isinstance(m, AddRequest) and m.request_id not in aborted and self.drain_deadline is not None:
                 self.handed_back.append(m.request_id)  # crossed our Draining on the wire

@@ -111,8 +111,11 @@ class _Exchange(asyncio.Protocol):
         self._buffer += body
         *events, self._buffer = self._buffer.split(b"\n\n")
         for event in events:
-            if event.startswith(b"data: ") and event != b"data: [DONE]":
-                self._on_event(event[6:], now)
+            if event.startswith(b"data: ") and event != b"data: [DONE]" and self._on_event(event[6:], now):
+                self.closed = True  # the client hangs up
+                self.transport.close()
+                self._finish(None)
+                return
 
     def on_message_complete(self) -> None:
         self._finish(None)
@@ -135,7 +138,8 @@ class Client:
         self._idle: list[_Exchange] = []
 
     async def post_stream(self, path: str, body: dict, on_event) -> None:
-        """POST `body`; call on_event(data, arrival time) for each SSE event."""
+        """POST `body`; call on_event(data, arrival time) for each SSE event.
+        An on_event that returns True hangs up: the connection is closed then."""
         payload = msgspec.json.encode(body)
         request = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
                    f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload

@@ -36,11 +36,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(model: str, env: dict) -> tuple[subprocess.Popen, str, float]:
+def start(model: str, env: dict, flags: list[str] = (), stderr=subprocess.DEVNULL) -> tuple[subprocess.Popen, str, float]:
+    """`mlxd serve` (with `flags`) on a free port, once its worker is ready."""
     port = free_port()
-    args = [MLXD, "serve", "--port", str(port)] + (["--model", model] if model else [])
+    args = [MLXD, "serve", "--port", str(port), *flags] + (["--model", model] if model else [])
     started = time.monotonic()
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
     url = f"http://127.0.0.1:{port}"
     while True:
         if proc.poll() is not None:
