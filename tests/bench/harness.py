@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -161,8 +161,8 @@ def table(results: dict[str, dict[int, Result]], concurrencies: list[int]) -> st
     first_token = ", ".join(f"{pct(results['engine'][c].first_tokens, .5):.1f} ms at {c}" for c in concurrencies)
     for c in concurrencies:
         engine = results["engine"][c].tok_s
-        for system in ("engine", "mlxd", "mlx_lm.server"):
-            r = results[system][c]
+        for system, by_concurrency in results.items():
+            r = by_concurrency[c]
             rows.append(
                 f"| {c} | {system} | {r.tok_s:.0f} | {r.tok_s / engine:.2f} | {pct(r.ttfts, .5):.1f} / "
                 f"{pct(r.ttfts, .99):.1f} | {pct(r.itls, .5):.2f} / {pct(r.itls, .99):.2f} | {r.failures} |"
@@ -176,6 +176,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="turns of each system at each concurrency")
+    parser.add_argument("--no-peer", action="store_true", help="leave mlx_lm.server out")
     parser.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
     args = parser.parse_args()
     from worker.blas import load_fast_blas
@@ -186,16 +187,16 @@ def main() -> None:
         from tests.tiny_model import make_tiny_model
 
         model_dir = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny-2-layer"))
-    systems = ("engine", "mlxd", "mlx_lm.server")
+    systems = ("engine", "mlxd") + (() if args.no_peer else ("mlx_lm.server",))
     results = {system: {c: Result() for c in args.concurrency} for system in systems}
     engine = EngineLimit(model_dir)
-    top = max(args.concurrency)
-    with http_system("mlxd", model_dir, top) as mlxd, http_system("mlx_lm.server", model_dir, top) as peer:
+    with ExitStack() as stack:
+        servers = {s: stack.enter_context(http_system(s, model_dir, max(args.concurrency))) for s in systems[1:]}
         for c in args.concurrency:
             requests = max(4 * c, 16)
             for _ in range(args.rounds):
                 results["engine"][c].add(engine.run(c, requests, args.tokens))
-                for system, (url, model, extra) in (("mlxd", mlxd), ("mlx_lm.server", peer)):
+                for system, (url, model, extra) in servers.items():
                     results[system][c].add(asyncio.run(load(url, model, c, requests, args.tokens, extra)))
             print(f"concurrency {c}: " + ", ".join(f"{s} {results[s][c].tok_s:.0f} tok/s" for s in systems),
                   flush=True)

@@ -21,6 +21,9 @@ import httptools
 import msgspec
 
 MESSAGES = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
+# As clients commonly do: a server that has not accepted the connection by
+# then (a full listen backlog) fails the request, rather than stall the run.
+CONNECT_TIMEOUT_S = 10
 
 
 @dataclass
@@ -148,7 +151,8 @@ class Client:
         if self._idle:
             exchange = self._idle.pop()
         else:
-            _, exchange = await asyncio.get_running_loop().create_connection(_Exchange, self.host, self.port)
+            connecting = asyncio.get_running_loop().create_connection(_Exchange, self.host, self.port)
+            _, exchange = await asyncio.wait_for(connecting, CONNECT_TIMEOUT_S)
         try:
             await asyncio.wait_for(exchange.start(request, on_event), self.timeout)
         except BaseException:
