@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -124,12 +125,20 @@ def start_server(argv: list[str], url: str, env: dict) -> subprocess.Popen:
     raise SystemExit(f"{argv[:3]} did not come up")
 
 
+class Server(NamedTuple):
+    url: str
+    model: str  # the name to ask for
+    extra: dict  # body fields every request adds
+    pid: int
+
+
 @contextmanager
-def http_system(name: str, model_dir: str, max_concurrency: int) -> Iterator[tuple[str, str, dict]]:
-    """A server up for the block: (its URL, the model name to ask for, extra body fields)."""
+def http_system(name: str, model_dir: str, max_concurrency: int, env: dict | None = None) -> Iterator[Server]:
+    """`mlxd serve` (name "mlxd") or mlx_lm.server, up for the block; `env`
+    adds to the server's environment."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     if name == "mlxd":
         argv = [sys.executable, "-m", "gateway", "serve", "--model", model_dir, "--port", str(port),
                 "--max-batch", str(max_concurrency)]
@@ -146,7 +155,7 @@ def http_system(name: str, model_dir: str, max_concurrency: int) -> Iterator[tup
     try:
         # mlx_lm.server names a local model by its path (its /v1/models lists the Hugging Face cache).
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"] if name == "mlxd" else model_dir
-        yield url, model, extra
+        yield Server(url, model, extra, proc.pid)
     finally:
         proc.terminate()
         try:
@@ -196,8 +205,9 @@ def main() -> None:
             requests = max(4 * c, 16)
             for _ in range(args.rounds):
                 results["engine"][c].add(engine.run(c, requests, args.tokens))
-                for system, (url, model, extra) in servers.items():
-                    results[system][c].add(asyncio.run(load(url, model, c, requests, args.tokens, extra)))
+                for system, server in servers.items():
+                    results[system][c].add(asyncio.run(load(server.url, server.model, c, requests, args.tokens,
+                                                            server.extra)))
             print(f"concurrency {c}: " + ", ".join(f"{s} {results[s][c].tok_s:.0f} tok/s" for s in systems),
                   flush=True)
     command = "python -m tests.bench.harness " + " ".join(sys.argv[1:])

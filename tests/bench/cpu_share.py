@@ -1,0 +1,65 @@
+"""Where the CPU goes: seconds of CPU per 1000 streamed tokens, by process.
+
+    python -m tests.bench.cpu_share [--model M] [--concurrency 8 32 64]
+
+On a machine the load generator, the gateway and the worker share, every
+cycle one of them spends is a cycle the others lack. This drives `mlxd
+serve` with the benchmarks' load generator (6 x concurrency requests of 64
+tokens, at least 48) and reads each process's user + system time from
+/proc (Linux): the gateway, its worker (the gateway's child) and this
+process (the load generator). Without --model: the tiny random test model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tests.bench.harness import http_system
+from tests.bench.load import load
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64])
+    args = parser.parse_args()
+    model_dir = args.model
+    if not model_dir:
+        from tests.tiny_model import make_tiny_model
+
+        model_dir = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
+    print("| concurrency | tok/s | gateway | worker | load generator | cores busy |")
+    print("|---|---|---|---|---|---|")
+    with http_system("mlxd", model_dir, max(args.concurrency)) as server:
+        gateway = server.pid
+        (worker,) = children(gateway)
+        for c in args.concurrency:
+            asyncio.run(load(server.url, server.model, c, c, 8, server.extra))
+            before = cpu_seconds(gateway), cpu_seconds(worker), time.process_time()
+            result = asyncio.run(load(server.url, server.model, c, max(6 * c, 48), 64, server.extra))
+            after = cpu_seconds(gateway), cpu_seconds(worker), time.process_time()
+            used = [b - a for a, b in zip(before, after)]
+            per_k = [u / (result.tokens / 1000) for u in used]
+            print(f"| {c} | {result.tok_s:.0f} | {per_k[0]:.3f} s | {per_k[1]:.3f} s | {per_k[2]:.3f} s | "
+                  f"{sum(used) / result.wall:.2f} |", flush=True)
+    print(f"CPU seconds per 1000 tokens; model: {args.model or 'tiny random test model'}; {os.cpu_count()} cores; "
+          f"command: python -m tests.bench.cpu_share {' '.join(sys.argv[1:])}".rstrip())
+
+
+if __name__ == "__main__":
+    main()
