@@ -47,7 +47,7 @@ bench: install model
 	$(PY) -m tests.bench.abort
 	$(PY) -m tests.bench.cpu_share
 	$(PY) -m tests.bench.ab --model "$$($(VENV)/bin/mlxd prepare-model)" --b OPENBLAS_NUM_THREADS=1 \
-	  --concurrency 1 8 --rounds 2
+	  --concurrency 8 --tokens 32 --rounds 2
 	$(PY) -m tests.bench.prefix_cache
 	$(PY) -m tests.bench.serve_speed
 	$(PY) -m tests.bench.restart --signal KILL
