@@ -2,8 +2,9 @@
 with a vision model, its processor too (image preprocessing runs here, never
 on the worker's main thread).
 
-Tokenizing, detokenizing and preprocessing are CPU work: callers run them off
-the event loop.
+Tokenizing a prompt and preprocessing images can take milliseconds: callers
+run them in a thread. Detokenizing a step's tokens takes microseconds, less
+than a hop to a thread and back, and runs on the event loop.
 """
 
 from __future__ import annotations
