@@ -71,13 +71,14 @@ class _Exchange(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.closed = False
-        self._parser = httptools.HttpResponseParser(self)
+        self._parser: httptools.HttpResponseParser | None = None
         self._done: asyncio.Future | None = None
         self._buffer = b""
         self._on_event = None
         self.status = 0
 
     def start(self, request: bytes, on_event) -> asyncio.Future:
+        """Send `request`; the future is done when its response has ended."""
         self._parser = httptools.HttpResponseParser(self)
         self._done = asyncio.get_running_loop().create_future()
         self._buffer = b""
