@@ -27,7 +27,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from protocol.settings import add_arguments, resolve
+from protocol.settings import add_arguments, parse_settings, resolve
 from protocol.worker_settings import WorkerSettings
 
 USAGE = __doc__
@@ -86,12 +86,7 @@ def _run_gateway(settings: GatewaySettings, worker_settings: WorkerSettings | No
 
 def gateway_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="mlxd gateway", description="The mlxd HTTP gateway.")
-    add_arguments(parser, GatewaySettings)
-    args = parser.parse_args(argv)
-    try:
-        settings = resolve(GatewaySettings, args)
-    except ValueError as e:
-        parser.error(str(e))
+    settings = parse_settings(parser, GatewaySettings, argv)
     _configure_logging(settings.log_level)
     return _run_gateway(settings)
 

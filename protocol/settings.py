@@ -97,6 +97,16 @@ def resolve(
         raise ValueError(message) from None
 
 
+def parse_settings(parser: argparse.ArgumentParser, settings_type: type[S], argv: list[str]) -> S:
+    """A command's settings from its flags and MLXD_* variables; a bad value
+    ends the program with the parser's usage error."""
+    add_arguments(parser, settings_type)
+    try:
+        return resolve(settings_type, parser.parse_args(argv))
+    except ValueError as e:
+        parser.error(str(e))
+
+
 def explicit_values(settings: msgspec.Struct) -> list[tuple[str, Any]]:
     """(field, value) for every setting that is not at its default."""
     return [

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from protocol.settings import add_arguments, resolve
+from protocol.settings import parse_settings
 from protocol.worker_settings import WorkerSettings
 
 
@@ -42,11 +42,7 @@ def serve_main(argv: list[str]) -> int:
         "every MLX call. MLXD_AFFINITY_AUDIT=1 records the thread of every MLX evaluation "
         "and reports any made off the main thread.",
     )
-    add_arguments(parser, WorkerSettings)
-    try:
-        settings = resolve(WorkerSettings, parser.parse_args(argv))
-    except ValueError as e:
-        parser.error(str(e))
+    settings = parse_settings(parser, WorkerSettings, argv)
     blas = _start(settings.log_level)
     logging.getLogger("mlxd.worker").info("BLAS: %s", blas)
     from worker.serve import serve
