@@ -21,11 +21,11 @@ from gateway.anthropic_api import AnthropicAPI
 from gateway.metrics import RequestCounter
 from gateway.openai_api import OpenAIAPI
 from gateway.serving import Serving
-from gateway.security import Guard, KeyRing, check_bind_policy
+from gateway.security import Guard, KeyRing, check_bind_policy, keys_required
 from gateway.settings import GatewaySettings
 from gateway.supervisor import WorkerSupervisor
-from gateway.worker_link import WorkerLink
-from protocol.worker_settings import WorkerSettings
+from gateway.worker_link import EndpointInUse, WorkerLink
+from protocol.worker_settings import WorkerSettings, announced_name
 
 log = logging.getLogger("mlxd.gateway")
 
@@ -35,8 +35,12 @@ def _json(body: dict, status: int = 200, headers: dict | None = None) -> Respons
 
 
 def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None = None) -> Starlette:
-    """The gateway. With worker_settings (`mlxd serve`), it also supervises a worker of its own."""
-    keys = KeyRing(settings.api_key, settings.api_key_file)
+    """The gateway. With worker_settings (`mlxd serve`), it also supervises a worker of its own.
+
+    Raises SystemExit, with the reason, for what makes serving impossible or
+    unsafe: no API key beyond loopback, a worker endpoint in use or unsafe.
+    """
+    keys = KeyRing(settings.api_key, settings.api_key_file, required=keys_required(settings))
     check_bind_policy(settings, keys.enabled)
     link = WorkerLink(
         settings.worker_endpoint,
@@ -46,8 +50,13 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
         curve_secret_key=settings.curve_secret_key,
         curve_authorized_keys=settings.curve_authorized_keys,
     )
+    try:
+        link.bind()
+    except (EndpointInUse, RuntimeError) as e:
+        raise SystemExit(f"mlxd: {e}; stop that gateway first, or give this one another --worker-endpoint"
+                         if isinstance(e, EndpointInUse) else f"mlxd: {e}") from None
     supervisor = WorkerSupervisor(worker_settings, link, settings.drain_s + 5) if worker_settings else None
-    serving = Serving(link, settings)
+    serving = Serving(link, settings, announced_name(worker_settings) if worker_settings else None)
     api = OpenAIAPI(serving)
     anthropic = AnthropicAPI(serving)
 
@@ -66,7 +75,7 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
         serving.cancel(request, request_id)
         return _json({"id": request_id, "cancelled": True})
 
-    async def metrics(_request: Request) -> Response:
+    async def metrics(_request: Request) -> Response:  # behind the keys (security.Guard)
         text = serving.metrics.render(link.status(), supervisor.status() if supervisor else None)
         return Response(text, media_type="text/plain; version=0.0.4")
 
@@ -79,6 +88,7 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
     async def lifespan(app: Starlette):
         await link.start()
         if supervisor is not None:
+            supervisor.on_fatal = app.state.fail
             await supervisor.start()
         app.state.loop = asyncio.get_running_loop()
         if settings.api_key_file:
@@ -93,16 +103,28 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
     def reload_keys() -> None:
         try:
             keys.reload()
-        except OSError as e:
-            log.error("SIGHUP: could not re-read %s (%s); keeping the keys loaded before", settings.api_key_file, e)
+        except (OSError, ValueError) as e:
+            log.error("SIGHUP: could not reload the API keys from %s (%s); keeping the keys loaded before",
+                      settings.api_key_file, e)
 
     def begin_drain() -> None:
-        """On SIGTERM/SIGINT (from the signal handler): refuse new requests; let
-        open streams run for --drain-s, then end them with an error event."""
+        """On the first SIGTERM/SIGINT (from the signal handler): refuse new
+        requests, keep the worker (no restarts) while open streams run for
+        --drain-s, then end them with an error event."""
         serving.draining = True
-        loop = app.state.loop
-        log.info("draining: open requests have %gs to finish", settings.drain_s)
+        if supervisor is not None:
+            supervisor.stop_restarting()
+        loop = getattr(app.state, "loop", None)
+        if loop is None:
+            return  # not serving yet: nothing to drain
+        log.info("draining: open requests have %gs to finish (send the signal again to stop now)", settings.drain_s)
         loop.call_soon_threadsafe(loop.call_later, settings.drain_s, link.end_all, "the server is shutting down")
+
+    def stop_now() -> None:
+        """On a second SIGTERM/SIGINT: end every open request at once."""
+        log.info("stopping now: ending %d open requests", len(link.requests))
+        if (loop := getattr(app.state, "loop", None)) is not None:
+            loop.call_soon_threadsafe(link.end_all, "the server is shutting down")
 
     app = Starlette(
         routes=[
@@ -134,4 +156,5 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
     app.state.link = link
     app.state.supervisor = supervisor
     app.state.begin_drain = begin_drain
+    app.state.stop_now = stop_now
     return app

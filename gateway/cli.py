@@ -7,6 +7,7 @@
   mlxd prepare-model [--model M]    download/import a model into the cache
   mlxd launchd install|uninstall|status|restart-worker   run as launchd jobs on a Mac
   mlxd keys generate DIR --name N   a CURVE key pair, for a worker on another Mac (tcp://)
+  mlxd --version                    mlxd's version, its protocol's, and the MLX packages'
 
 --model takes an mlx-lm directory, a .gguf file or a Hugging Face repo id; with
 none, mlxd serves the embedded SmolLM2-135M-Instruct. Each command has --help.
@@ -15,6 +16,8 @@ none, mlxd serves the embedded SmolLM2-135M-Instruct. Each command has --help.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.metadata
 import logging
 import os
 import shutil
@@ -27,6 +30,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
+from protocol import PROTOCOL_VERSION
 from protocol.settings import add_arguments, parse_settings, resolve
 from protocol.worker_settings import WorkerSettings
 
@@ -34,6 +38,9 @@ USAGE = __doc__
 
 # Commands that run in the worker program, because they need MLX.
 WORKER_COMMANDS = {"worker": [], "import-gguf": ["import-gguf"], "prepare-model": ["prepare-model"]}
+# Worker settings that `mlxd serve` sets itself: its worker talks to this
+# gateway alone, through a socket in a fresh private (0700) directory.
+SERVE_SETS = frozenset({"worker_endpoint", "parent_pid", "curve_secret_key", "curve_server_key"})
 
 
 def _configure_logging(level: str) -> None:
@@ -44,18 +51,54 @@ def _configure_logging(level: str) -> None:
     )
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn, plus our drain on the first SIGTERM/SIGINT: open streams get
-    --drain-s to finish and are then ended cleanly, so shutdown never hangs."""
+def version() -> str:
+    packages = ", ".join(f"{name} {_installed(name)}" for name in ("mlx", "mlx-lm", "mlx-vlm"))
+    return f"mlxd {_installed('mlxd')} (protocol {PROTOCOL_VERSION}; {packages})"
 
-    def __init__(self, config: uvicorn.Config, begin_drain) -> None:
+
+def _installed(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with mlxd's way of stopping.
+
+    The first SIGTERM/SIGINT drains: open streams get --drain-s to finish and
+    are then ended cleanly, so shutdown never hangs; a second ends them at
+    once. Either way the lifespan shuts down in order (the worker too) and the
+    process exits 0, with no re-raised signal and so no traceback. `fail`
+    stops serving when it cannot start, and the process then exits 1.
+    """
+
+    def __init__(self, config: uvicorn.Config, app) -> None:
         super().__init__(config)
-        self._begin_drain = begin_drain
+        self._app = app
+        self.failure: str | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def handle_exit(self, sig, frame) -> None:
-        if not self.should_exit:
-            self._begin_drain()
-        super().handle_exit(sig, frame)
+        if self.should_exit:
+            self._app.state.stop_now()
+        else:
+            self._app.state.begin_drain()
+            self.should_exit = True
+
+    def fail(self, reason: str) -> None:
+        logging.getLogger("mlxd.gateway").error("%s", reason)
+        self.failure = reason
+        self.should_exit = True
 
 
 def _run_gateway(settings: GatewaySettings, worker_settings: WorkerSettings | None = None) -> int:
@@ -74,13 +117,18 @@ def _run_gateway(settings: GatewaySettings, worker_settings: WorkerSettings | No
         # A backstop only: the drain itself ends every stream after drain_s.
         timeout_graceful_shutdown=settings.drain_s + 3,
     )
+    server = DrainingServer(config, app)
+    app.state.fail = server.fail
     try:
-        DrainingServer(config, app.state.begin_drain).run()
+        server.run()
     finally:
         supervisor = app.state.supervisor
         if supervisor is not None and supervisor.process is not None and supervisor.process.returncode is None:
-            # A second Ctrl-C skips the orderly stop; do not leave the worker behind.
+            # Should the orderly stop not have run (uvicorn failed to start), do not leave the worker behind.
             os.kill(supervisor.process.pid, signal.SIGTERM)
+    if server.failure is not None:
+        print(f"mlxd: error: {server.failure}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -97,10 +145,8 @@ def serve_main(argv: list[str]) -> int:
         description="Serve a model: the gateway plus one worker it starts and stops.",
         conflict_handler="resolve",
     )
-    # The worker talks to this gateway alone, through a socket in a fresh
-    # private (0700) directory, so the endpoint is not the user's to set.
-    add_arguments(parser, WorkerSettings, exclude=frozenset({"worker_endpoint"}))
-    add_arguments(parser, GatewaySettings, exclude=frozenset({"worker_endpoint"}))
+    add_arguments(parser, WorkerSettings, exclude=SERVE_SETS)
+    add_arguments(parser, GatewaySettings, exclude=SERVE_SETS | {"curve_authorized_keys"})
     args = parser.parse_args(argv)
     runtime = tempfile.mkdtemp(prefix="mlxd-")
     args.worker_endpoint = f"ipc://{runtime}/worker.sock"
@@ -140,6 +186,9 @@ def keys_main(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command, rest = (argv[0], argv[1:]) if argv else ("", [])
+    if command in ("--version", "version"):
+        print(version())
+        return 0
     if command in WORKER_COMMANDS:
         # Replace this process with the worker program, so that MLX is never
         # imported by gateway code and launchd supervises the worker's own PID.

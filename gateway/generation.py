@@ -99,7 +99,8 @@ class RequestStream:
         self.generated: list[int] = []
         self.worker_losses = 0
         self.cached_tokens = 0  # prompt tokens the worker took from its prefix cache
-        self.tokenizer_digest = tokenizer.digest  # a request resumes only on the same model
+        # The weights it runs on (Hello.model_digest): it resumes only on the same.
+        self.model_digest = ""
         self.finished = False
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()  # the group's, once grouped
         self._tokenizer = tokenizer

@@ -170,8 +170,7 @@ class OpenAIAPI:
         self.serving = serving
 
     async def models(self, _request: Request) -> Response:
-        names = self.serving.settings.served_model_name or self.serving.served_names(await self.serving.ready_worker())
-        body = ModelList([Model(id=name, created=self.serving.started) for name in names])
+        body = ModelList([Model(id=name, created=self.serving.started) for name in self.serving.model_names()])
         return Response(_json.encode(body), media_type="application/json")
 
     async def chat_completions(self, request: Request) -> Response:

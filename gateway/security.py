@@ -29,11 +29,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def keys_required(settings: GatewaySettings) -> bool:
+    """Listening beyond loopback needs API keys, unless the operator says otherwise."""
+    return not is_loopback(settings.host) and not settings.insecure_no_auth
+
+
 def check_bind_policy(settings: GatewaySettings, has_keys: bool) -> None:
     """Refuse to listen beyond loopback with no API key, unless told to."""
     if is_loopback(settings.host) or has_keys:
         return
-    if not settings.insecure_no_auth:
+    if keys_required(settings):
         raise SystemExit(
             f"mlxd: refusing to listen on {settings.host} without an API key: anyone who can reach "
             "this address could use the model. Add one with --api-key KEY (or MLXD_API_KEYS, or "
@@ -50,21 +55,35 @@ def _digest(key: str) -> bytes:
 
 
 class KeyRing:
-    """The accepted API keys: from --api-key/MLXD_API_KEYS and --api-key-file (re-read on SIGHUP)."""
+    """The accepted API keys: from --api-key/MLXD_API_KEYS and --api-key-file (re-read on SIGHUP).
 
-    def __init__(self, keys: list[str], key_file: str | None) -> None:
+    required: keys guard a non-loopback bind, so a reload that would leave
+    none (an emptied file, one of comments only) is refused and the keys
+    loaded before stay, just as start-up refuses to listen without keys.
+    """
+
+    def __init__(self, keys: list[str], key_file: str | None, required: bool = False,
+                 kind: str = "API keys") -> None:
+        self.kind = kind
         self._static = [k for k in keys if k]
         self._file = Path(key_file) if key_file else None
+        self._required = required
         self._digests: list[bytes] = []
         self.reload()
 
     def reload(self) -> None:
+        """Re-read the key file. Raises OSError if it cannot be read and
+        ValueError if it would leave required keys empty; either way the keys
+        loaded before stay."""
         keys = list(self._static)
         if self._file is not None:
             lines = self._file.read_text().splitlines()
             keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if self._required and self._digests and not keys:
+            raise ValueError(f"{self._file} holds no key, and the gateway listens beyond loopback")
         self._digests = [_digest(k) for k in keys]
-        log.info("%d API keys loaded", len(self._digests))
+        if keys or self._file is not None:
+            log.info("%d %s loaded", len(self._digests), self.kind)
 
     @property
     def enabled(self) -> bool:
@@ -95,13 +114,15 @@ def presented_key(headers: dict[bytes, bytes]) -> str | None:
 class Guard:
     """ASGI middleware: the DNS-rebinding guard and API-key checks.
 
-    Sets scope["state"]["client_id"]: the key's id, or (without keys) the
+    With keys, /v1/* needs an API key and /metrics an API key or a metrics
+    key. Sets scope["state"]["client_id"]: the key's id, or (without keys) the
     client's address, for per-client limits; and ["authenticated"].
     """
 
     def __init__(self, app, settings: GatewaySettings, keys: KeyRing) -> None:
         self.app = app
         self.keys = keys
+        self.metrics_keys = KeyRing(settings.metrics_key, None, kind="metrics keys")
         self.loopback = is_loopback(settings.host)
         self.allowed_hosts = LOOPBACK_NAMES | {h.lower() for h in settings.allowed_host}
 
@@ -115,8 +136,14 @@ class Guard:
             # reach an unauthenticated local server.
             return await _reject(scope, send, 403, "this Host is not allowed; add it with --allowed-host",
                                  "host_not_allowed")
-        key_id = self.keys.identify(presented_key(headers)) if self.keys.enabled else None
-        if self.keys.enabled and key_id is None and scope["path"].startswith("/v1/"):
+        presented = presented_key(headers)
+        key_id = self.keys.identify(presented) if self.keys.enabled else None
+        path = scope["path"]
+        if path == "/metrics" and (self.keys.enabled or self.metrics_keys.enabled):
+            if key_id is None and self.metrics_keys.identify(presented) is None:
+                return await _reject(scope, send, 401, "/metrics needs an API key or a metrics key "
+                                     "(Authorization: Bearer KEY)", "invalid_api_key")
+        elif self.keys.enabled and key_id is None and path.startswith("/v1/"):
             return await _reject(
                 scope, send, 401, "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)",
                 "invalid_api_key",

@@ -149,9 +149,11 @@ class EventStream(StreamingResponse):
 
 
 class Serving:
-    def __init__(self, link: WorkerLink, settings: GatewaySettings) -> None:
+    def __init__(self, link: WorkerLink, settings: GatewaySettings, configured_model: str | None = None) -> None:
         self.link = link
         self.settings = settings
+        # The model name the worker `mlxd serve` starts will announce.
+        self.configured_model = configured_model
         self.started = int(time.time())
         self.draining = False  # set on SIGTERM: no new requests
         self.admission = Admission(settings.max_inflight, settings.max_inflight_per_key)
@@ -195,6 +197,13 @@ class Serving:
 
     def served_names(self, worker: WorkerState) -> list[str]:
         return self.settings.served_model_name or [worker.hello.model]
+
+    def model_names(self) -> list[str]:
+        """The names clients may use, known without waiting for a worker: the
+        configured ones, else the current worker's or the one `mlxd serve` starts."""
+        if self.link.worker is not None:
+            return self.served_names(self.link.worker)
+        return self.settings.served_model_name or ([self.configured_model] if self.configured_model else [])
 
     async def worker_for(self, model: str) -> WorkerState:
         """A ready worker serving `model` (404 for a name this server does not serve)."""

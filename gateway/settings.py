@@ -43,6 +43,11 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     api_key_file: Annotated[
         str | None, Meta(description="a file of API keys, one per line; re-read on SIGHUP")
     ] = None
+    metrics_key: Annotated[
+        list[str],
+        Meta(description="a key that may read /metrics only (for a scraper); API keys may read it too",
+             extra={"env": "MLXD_METRICS_KEYS"}),
+    ] = []
     insecure_no_auth: Annotated[
         bool, Meta(description="allow listening beyond loopback without API keys (dangerous)")
     ] = False

@@ -4,7 +4,11 @@ A worker that exits is restarted after a backoff that doubles from 0.5 s up
 to 30 s (and starts over once a worker has stayed up a minute). Five exits
 within a minute is a crash loop: reported in /health and the log, and retried
 at the slowest pace rather than spun. A worker the link reports hung is killed,
-and so restarted.
+and so restarted. A first worker that cannot load its model ends `mlxd serve`
+with the reason (on_fatal): retrying would only fail the same way.
+
+The worker runs in a session of its own, so a Ctrl-C in the terminal reaches
+the gateway alone, which lets open streams finish, then stops the worker.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 import msgspec
 
 from gateway.worker_link import WorkerLink
+from protocol import EXIT_LOAD_FAILED
 from protocol.settings import to_arguments
 from protocol.worker_settings import WorkerSettings
 
@@ -29,6 +35,8 @@ MAX_BACKOFF_S = 30.0
 STABLE_AFTER_S = 60.0
 CRASH_LOOP_EXITS = 5
 CRASH_LOOP_WINDOW_S = 60.0
+# How long a worker's LoadFailed may trail its exit.
+LOAD_FAILED_WAIT_S = 1.0
 
 
 class WorkerSupervisor:
@@ -46,6 +54,8 @@ class WorkerSupervisor:
         self._exits: list[float] = []
         self._stopping = False
         self._task: asyncio.Task | None = None
+        # Called with the reason when serving cannot start (the model does not load).
+        self.on_fatal: Callable[[str], None] | None = None
         link.on_unhealthy = self.kill
 
     async def start(self) -> None:
@@ -63,11 +73,14 @@ class WorkerSupervisor:
         backoff = INITIAL_BACKOFF_S
         while not self._stopping:
             started = time.monotonic()
-            self.process = await asyncio.create_subprocess_exec(*self.argv)
+            self.process = await asyncio.create_subprocess_exec(*self.argv, start_new_session=True)
             log.info("started worker pid %d", self.process.pid)
             status = await self.process.wait()
             self.link.worker_process_exited(self.process.pid, status)
             if self._stopping:
+                return
+            if status == EXIT_LOAD_FAILED and self.link.stats.workers_accepted == 0:
+                await self._fail_to_start()
                 return
             now = time.monotonic()
             self.restarts += 1
@@ -88,6 +101,20 @@ class WorkerSupervisor:
             )
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    async def _fail_to_start(self) -> None:
+        deadline = time.monotonic() + LOAD_FAILED_WAIT_S
+        while self.link.load_failure is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        failure = self.link.load_failure
+        reason = failure.reason if failure is not None else "the worker could not load its model (see its log above)"
+        self.last_exit_status = EXIT_LOAD_FAILED
+        if self.on_fatal is not None:
+            self.on_fatal(f"cannot load the model: {reason}")
+
+    def stop_restarting(self) -> None:
+        """The gateway is stopping: a worker that exits now stays down."""
+        self._stopping = True
 
     def kill(self, pid: int) -> None:
         """The link found this worker hung or unresponsive: kill it (and so restart it)."""

@@ -13,17 +13,25 @@ The worker is, at any moment, one of:
 An unresponsive worker that beats again is ready again, its requests intact.
 One unresponsive or hung for a further --hung-worker-s is given up on (and
 under `mlxd serve`, killed and restarted).
-A worker that is gone (Goodbye, process exit, or replaced by a newer one)
-leaves its unfinished requests to be resumed on the next worker: the prompt
-plus the tokens already delivered, so the client sees only a pause. A request
-survives one lost worker; one caught in a second fails cleanly.
+A worker that is gone (Goodbye, process exit, its ipc connection closed, or
+replaced by a newer one) leaves its unfinished requests to be resumed on the
+next worker serving the same weights (Hello.model_digest): the prompt plus the
+tokens already delivered, so the client sees only a pause. A request survives
+one lost worker; one caught in a second, or whose next worker serves another
+model, fails cleanly.
+
+A worker that cannot load its model says why (LoadFailed) before it exits:
+until a worker is accepted, /health shows the reason and requests get a 503
+carrying it at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
+import socket
 import stat
 import time
 from collections.abc import Callable
@@ -46,6 +54,7 @@ from protocol import (
     Goodbye,
     Heartbeat,
     Hello,
+    LoadFailed,
     PrefixCacheStats,
     ProtocolError,
     Refused,
@@ -67,6 +76,10 @@ class WorkerUnavailable(Exception):
     pass
 
 
+class EndpointInUse(Exception):
+    """Another gateway already listens on the worker endpoint."""
+
+
 @dataclass
 class WorkerState:
     identity: bytes
@@ -84,13 +97,29 @@ class WorkerState:
     affinity: AffinityReport | None = None
     prefix_cache: PrefixCacheStats | None = None
     draining: bool = False
+    disconnected: bool = False  # its tcp connection dropped; until it beats again
 
 
 @dataclass
 class LinkStats:
+    workers_accepted: int = 0
     workers_lost: int = 0
     requests_resumed: int = 0
     requests_failed_by_loss: int = 0
+
+
+def ipc_listener_alive(path: str) -> bool:
+    """Whether something accepts connections on this Unix socket. ZeroMQ
+    would silently take over the path of a live one (a second gateway would
+    steal the first one's workers); a stale file left by a crash is fine."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 def ensure_private_dir(path: Path) -> None:
@@ -127,6 +156,8 @@ class WorkerLink:
         # --hung-worker-s; `mlxd serve` kills it there and starts another.
         self.on_unhealthy = on_unhealthy
         self.worker: WorkerState | None = None
+        # The last worker that could not load its model, until one is accepted.
+        self.load_failure: LoadFailed | None = None
         self.stats = LinkStats()
         self.requests: dict[str, RequestStream] = {}  # every unfinished request
         self._resume_by: dict[str, float] = {}  # request id -> deadline to get a worker
@@ -138,17 +169,35 @@ class WorkerLink:
         # here may be dropped, so there is none.
         self._socket.setsockopt(zmq.SNDHWM, 0)
         self._socket.setsockopt(zmq.RCVHWM, 0)
+        # A send to a peer whose connection is gone fails (EHOSTUNREACH)
+        # instead of vanishing: that is how a closed connection is tied to
+        # its worker (see _watch_connections).
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._tasks: list[asyncio.Task] = []
 
-    async def start(self) -> None:
+    def bind(self) -> None:
+        """Take the endpoint, before serving. Raises EndpointInUse if another
+        gateway has it, RuntimeError for an unsafe socket directory."""
         if self.endpoint.startswith("ipc://"):
-            ensure_private_dir(Path(self.endpoint[len("ipc://") :]).parent)
+            path = self.endpoint[len("ipc://") :]
+            ensure_private_dir(Path(path).parent)
+            if ipc_listener_alive(path):
+                raise EndpointInUse(f"another gateway is already listening on {self.endpoint}")
         elif self.endpoint.startswith("tcp://"):
             self._authenticator = secure_server(self._context, self._socket, *self._curve)
-        self._socket.bind(self.endpoint)
+        try:
+            self._socket.bind(self.endpoint)
+        except zmq.ZMQError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise EndpointInUse(f"{self.endpoint} is already in use") from None
+            raise
+
+    async def start(self) -> None:
         self._tasks = [
             asyncio.create_task(self._receive_loop(), name="mlxd-link-receive"),
             asyncio.create_task(self._watchdog(), name="mlxd-link-watchdog"),
+            asyncio.create_task(self._watch_connections(), name="mlxd-link-connections"),
         ]
         log.info("waiting for a worker on %s", self.endpoint)
 
@@ -159,6 +208,8 @@ class WorkerLink:
         self.end_all("the gateway is shutting down")
         if self._authenticator is not None:
             self._authenticator.stop()
+        self._socket.disable_monitor()
+        self._monitor.close()
         self._socket.close()
         self._context.term()
 
@@ -169,6 +220,8 @@ class WorkerLink:
         return self._ready.is_set()
 
     async def ready_worker(self, timeout_s: float) -> WorkerState:
+        if self.load_failure is not None and not self.ready:
+            raise WorkerUnavailable(self._load_failure_text())
         try:
             await asyncio.wait_for(self._ready.wait(), timeout_s)
         except TimeoutError:
@@ -176,9 +229,15 @@ class WorkerLink:
         assert self.worker is not None
         return self.worker
 
+    def _load_failure_text(self) -> str:
+        failure = self.load_failure
+        assert failure is not None
+        return f"the worker cannot load its model {failure.model or '(the default)'!r}: {failure.reason}"
+
     def submit(self, stream: RequestStream) -> None:
         if self.worker is None or not self.ready:
             raise WorkerUnavailable("the worker went away")
+        stream.model_digest = self.worker.hello.model_digest
         self.requests[stream.request_id] = stream
         self._send(self.worker.identity, stream.add_request(), stream.buffers)
 
@@ -218,6 +277,8 @@ class WorkerLink:
                     "evaluations": w.affinity.evaluations,
                     "off_main_thread": w.affinity.off_main_thread,
                 }
+        if self.load_failure is not None:
+            state["load_error"] = self._load_failure_text()
         state["requests_waiting_for_a_worker"] = len(self._resume_by)
         state["workers_lost"] = self.stats.workers_lost
         state["requests_resumed"] = self.stats.requests_resumed
@@ -227,8 +288,23 @@ class WorkerLink:
     # ---- the link itself ---------------------------------------------------
 
     def _send(self, identity: bytes, message, buffers: list = ()) -> None:
-        # ROUTER sends never block: a message to a vanished peer is dropped.
-        self._socket.send_multipart([identity, *encode_frames(message, buffers)], copy=False)
+        # Never blocks (no high-water mark): the send is done, or failed, on return.
+        sent = self._socket.send_multipart([identity, *encode_frames(message, buffers)], copy=False)
+        if sent.done() and isinstance(error := sent.exception(), zmq.ZMQError):
+            if error.errno != errno.EHOSTUNREACH:
+                raise error
+            # Acted on after the caller is done with its own bookkeeping.
+            asyncio.get_running_loop().call_soon(self._on_disconnect, identity)
+
+    async def _watch_connections(self) -> None:
+        """When a connection closes, find out whether it was the worker's by
+        sending it a Welcome it already has (ignored by a live worker)."""
+        while True:
+            await self._monitor.recv_multipart()
+            for delay in (0.0, 0.05):  # the socket may learn of the closed pipe a moment after the event
+                await asyncio.sleep(delay)
+                if self.worker is not None:
+                    self._send(self.worker.identity, Welcome(self.worker.hello.epoch))
 
     async def _receive_loop(self) -> None:
         while True:
@@ -240,6 +316,10 @@ class WorkerLink:
                 continue
             if isinstance(message, Hello):
                 await self._accept(identity, message)
+                continue
+            if isinstance(message, LoadFailed):
+                log.error("worker pid %d cannot load its model %r: %s", message.pid, message.model, message.reason)
+                self.load_failure = message
                 continue
             w = self.worker
             if isinstance(message, Heartbeat):
@@ -294,6 +374,8 @@ class WorkerLink:
             # Should the old one wake up, it must not serve beside the new one.
             self._send(old.identity, Refused("replaced by a newer worker"))
         now = time.monotonic()
+        self.load_failure = None
+        self.stats.workers_accepted += 1
         self.worker = WorkerState(identity, hello, tokenizer, accepted_at=now, last_beat=now, last_progress=now)
         self._send(identity, Welcome(hello.epoch))
         self._ready.set()
@@ -312,11 +394,14 @@ class WorkerLink:
             stream = self.requests.get(request_id)
             if stream is None:
                 continue
-            if stream.tokenizer_digest != w.tokenizer.digest:
+            if stream.model_digest != w.hello.model_digest:
                 del self.requests[request_id]
                 self.stats.requests_failed_by_loss += 1
-                stream.queue.put_nowait(stream.fail("the worker came back with another model", 503))
+                stream.queue.put_nowait(stream.fail(
+                    f"the worker came back serving other weights ({w.hello.model}); "
+                    "this request cannot continue on them", 503))
                 continue
+            stream.model_digest = w.hello.model_digest
             self._send(w.identity, stream.add_request(), stream.buffers)
             resumed += 1
         if resumed:
@@ -326,6 +411,7 @@ class WorkerLink:
     def _on_heartbeat(self, w: WorkerState, beat: Heartbeat) -> None:
         now = time.monotonic()
         w.last_beat = now
+        w.disconnected = False
         if beat.step != w.steps or beat.running == 0:
             w.last_progress = now
         w.steps, w.running, w.waiting, w.affinity = beat.step, beat.running, beat.waiting, beat.affinity
@@ -337,7 +423,7 @@ class WorkerLink:
         now = time.monotonic()
         if w.draining:
             state = "draining"
-        elif now - w.last_beat > self.worker_timeout_s:
+        elif w.disconnected or now - w.last_beat > self.worker_timeout_s:
             state = "unresponsive"
         elif w.running > 0 and now - w.last_progress > self.hung_worker_s:
             state = "hung"
@@ -365,6 +451,19 @@ class WorkerLink:
             if self.on_unhealthy is not None and not w.reported_unhealthy:
                 self.on_unhealthy(w.hello.pid)
             self._lose_worker(f"{state} for {unhealthy_for:.0f}s", handed_back=set())
+
+    def _on_disconnect(self, identity: bytes) -> None:
+        """A peer's connection closed. Over ipc the worker process is gone (a
+        stopped or busy one keeps its socket); over tcp it may be a network
+        blip that ZeroMQ reconnects, so the worker is only unresponsive."""
+        w = self.worker
+        if w is None or identity != w.identity:
+            return
+        if self.endpoint.startswith("ipc://"):
+            self._lose_worker("its connection closed", handed_back=set())
+        else:
+            w.disconnected = True
+            self._assess(w)
 
     def worker_process_exited(self, pid: int, status: int | None) -> None:
         """`mlxd serve`'s supervisor saw the worker process end."""

@@ -13,6 +13,7 @@ from protocol.codec import (
     hello_version,
 )
 from protocol.messages import (
+    EXIT_LOAD_FAILED,
     PROTOCOL_VERSION,
     AddRequest,
     Abort,
@@ -23,6 +24,7 @@ from protocol.messages import (
     Goodbye,
     Heartbeat,
     Hello,
+    LoadFailed,
     PrefixCacheStats,
     Refused,
     RequestOutput,
@@ -35,6 +37,7 @@ from protocol.messages import (
 )
 
 __all__ = [
+    "EXIT_LOAD_FAILED",
     "PROTOCOL_VERSION",
     "AddRequest",
     "Abort",
@@ -45,6 +48,7 @@ __all__ = [
     "Goodbye",
     "Heartbeat",
     "Hello",
+    "LoadFailed",
     "PrefixCacheStats",
     "ProtocolError",
     "Refused",

@@ -108,6 +108,9 @@ class Hello(_Message, tag="hello"):
     tokenizer_files: dict[str, bytes]  # with a vision model, its processor's files too
     # A vision-language model: requests may carry images (AddRequest.tensors).
     vision: bool = False
+    # The identity of the weights (and config) this worker serves: a request
+    # resumes after a lost worker only on one whose digest is the same.
+    model_digest: str = ""
 
 
 FinishReason = Literal["stop", "length"]
@@ -195,4 +198,17 @@ class Goodbye(_Message, tag="goodbye"):
     handed_back: list[str] = []
 
 
-FromWorker = Hello | StepOutput | Heartbeat | Draining | Error | Goodbye
+class LoadFailed(_Message, tag="load_failed"):
+    """Sent instead of a Hello by a worker that cannot load its model, just
+    before it exits with EXIT_LOAD_FAILED: the gateway shows the reason in
+    /health and in its 503s, and `mlxd serve` fails at start-up with it."""
+
+    pid: int
+    model: str
+    reason: str
+
+
+# The exit status of a worker whose model cannot be loaded (after LoadFailed).
+EXIT_LOAD_FAILED = 3
+
+FromWorker = Hello | StepOutput | Heartbeat | Draining | Error | Goodbye | LoadFailed

@@ -10,6 +10,9 @@ from msgspec import Meta
 
 from protocol.endpoints import default_worker_endpoint
 
+# The embedded default model, and the name a worker serves it under.
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
 
 class WorkerSettings(msgspec.Struct, kw_only=True):
     model: Annotated[
@@ -54,3 +57,8 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
         str | None, Meta(description="the gateway's CURVE public key file; needed for tcp://")
     ] = None
     log_level: Annotated[str, Meta(description="debug, info, warning or error")] = "info"
+
+
+def announced_name(settings: WorkerSettings) -> str:
+    """The model name a worker with these settings announces in its Hello."""
+    return settings.model or DEFAULT_MODEL_NAME

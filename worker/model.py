@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from mlx.utils import tree_map, tree_unflatten
 from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import load_tokenizer
 
-from worker.model_source import resolve_model
+from worker.model_source import cache_dir, resolve_model
 from worker.vision import PROCESSOR_FILE_NAMES, load_vision_model
 
 log = logging.getLogger("mlxd.worker.model")
@@ -48,6 +50,9 @@ class LoadedModel:
     tokenizer_files: dict[str, bytes]
     # A vision-language model (mlx-vlm): `model` is the whole of it.
     image_token_id: int | None = None
+    dequantized: bool = False  # quantized layers run as float32 (dequantize_for_cpu)
+    # What the worker serves, as weights: see model_digest.
+    digest: str = ""
 
 
 def _text_config(config: dict) -> dict:
@@ -89,11 +94,47 @@ def dequantize_for_cpu(model: nn.Module) -> int:
     return len(replaced)
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".npz")
+
+
+def model_digest(path: Path) -> str:
+    """SHA-256 over config.json and the bytes of every weight file.
+
+    Two models may share a tokenizer (a fine-tune, another size of a family)
+    and still be different models: a request resumes only on a worker with
+    the same digest. Hashing gigabytes takes seconds, so the digest is kept
+    in the cache, keyed by each file's path, size and modification time.
+    """
+    files = sorted(f for f in path.iterdir() if f.name == "config.json" or f.suffix in WEIGHT_SUFFIXES)
+    key = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        key.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}\0".encode())
+    cached = cache_dir() / "digests" / key.hexdigest()
+    if cached.is_file():
+        return cached.read_text().strip()
+    digest = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as data:
+            digest.update(f.name.encode() + b"\0" + hashlib.file_digest(data, "sha256").digest())
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_text(digest.hexdigest())
+    return digest.hexdigest()
+
+
 def load_model(spec: str, context_length: int | None = None, cpu_dequantize: bool = True) -> LoadedModel:
-    """Resolve `spec` (see worker.model_source) and load it. Main thread only."""
+    """Resolve `spec` (see worker.model_source) and load it. Main thread only
+    for MLX; the weights are hashed (model_digest) in a thread meanwhile."""
     path, name = resolve_model(spec)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"model {spec!r}: {path / 'config.json'} is missing")
+    with ThreadPoolExecutor(1, thread_name_prefix="mlxd-digest") as pool:
+        hashing = pool.submit(model_digest, path)
+        loaded = _load(path, name, context_length, cpu_dequantize)
+        # Run as float32 on a CPU, the same weights give other logits than quantized.
+        loaded.digest = hashing.result() + (":float32" if loaded.dequantized else "")
+    return loaded
+
+
+def _load(path: Path, name: str, context_length: int | None, cpu_dequantize: bool) -> LoadedModel:
     config = json.loads((path / "config.json").read_text())
     image_token_id = None
     if "vision_config" in config:  # a vision-language model, for mlx-vlm
@@ -102,9 +143,10 @@ def load_model(spec: str, context_length: int | None = None, cpu_dequantize: boo
     else:
         model, tokenizer = mlx_lm_load(str(path))
     shared_files = TOKENIZER_FILE_NAMES | (PROCESSOR_FILE_NAMES if image_token_id is not None else set())
+    dequantized = 0
     if cpu_dequantize and mx.default_device() == mx.cpu:
-        if count := dequantize_for_cpu(model):
-            log.info("CPU backend: dequantized %d quantized layers to float32 for BLAS", count)
+        if dequantized := dequantize_for_cpu(model):
+            log.info("CPU backend: dequantized %d quantized layers to float32 for BLAS", dequantized)
     text_config = _text_config(config)
     model_context = text_config.get("max_position_embeddings", DEFAULT_CONTEXT_LENGTH)
     return LoadedModel(
@@ -119,4 +161,5 @@ def load_model(spec: str, context_length: int | None = None, cpu_dequantize: boo
             f.name: f.read_bytes() for f in sorted(path.iterdir()) if f.name in shared_files
         },
         image_token_id=image_token_id,
+        dequantized=bool(dequantized),
     )

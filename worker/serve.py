@@ -19,6 +19,7 @@ import time
 import zmq
 
 from protocol import (
+    EXIT_LOAD_FAILED,
     PROTOCOL_VERSION,
     Abort,
     AddRequest,
@@ -27,6 +28,7 @@ from protocol import (
     Goodbye,
     Heartbeat,
     Hello,
+    LoadFailed,
     ProtocolError,
     Refused,
     StepOutput,
@@ -49,6 +51,8 @@ log = logging.getLogger("mlxd.worker")
 
 IDLE_POLL_MS = 100
 HELLO_RETRY_S = 0.25
+# How long a worker that cannot load its model tries to tell the gateway why.
+LOAD_FAILED_DELIVERY_MS = 2000
 
 
 class GatewayRefused(Exception):
@@ -106,8 +110,8 @@ class Worker:
                     self.engine.add(m, buffers)
                 except InvalidRequest as e:
                     self.send(Error(m.request_id, str(e)))
-            elif isinstance(m, Welcome) and m.epoch == self.hello.epoch:
-                self.welcomed = True
+            elif isinstance(m, Welcome) and m.epoch == self.hello.epoch and not self.welcomed:
+                self.welcomed = True  # a Welcome may come once per Hello sent
                 log.info("welcomed by the gateway")
             elif isinstance(m, Refused):
                 raise GatewayRefused(m.reason)
@@ -184,6 +188,23 @@ class Worker:
         return 0
 
 
+def load_failed(settings: WorkerSettings, reason: str) -> int:
+    """Tell the gateway why this worker cannot serve (it shows the reason in
+    /health and its 503s; `mlxd serve` stops with it), then exit."""
+    log.error("cannot load the model: %s", reason)
+    context = zmq.Context()
+    try:
+        socket = connect(context, settings, f"worker-{time.time_ns()}-failed")
+    except TransportError as e:
+        log.error("%s", e)
+    else:
+        if socket.poll(LOAD_FAILED_DELIVERY_MS, zmq.POLLOUT):
+            socket.send(encode(LoadFailed(os.getpid(), settings.model, reason)))
+        socket.close(linger=LOAD_FAILED_DELIVERY_MS)
+    context.term()
+    return EXIT_LOAD_FAILED
+
+
 def serve(settings: WorkerSettings, *, audit: bool) -> int:
     affinity = AffinityAudit().install() if audit else None
     if affinity:
@@ -191,9 +212,11 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
     started = time.monotonic()
     try:
         loaded = load_model(settings.model, settings.context_length, settings.cpu_dequantize)
-    except (FileNotFoundError, ValueError, ModelNotFound) as e:
-        log.error("cannot load the model: %s", e)
-        return 1
+    except (ModelNotFound, OSError, ValueError) as e:  # GGUFError is a ValueError
+        return load_failed(settings, str(e))
+    except Exception as e:  # an unexpected failure in a loader: the reason still reaches the operator
+        log.exception("loading the model failed")
+        return load_failed(settings, f"{type(e).__name__}: {e}")
     log.info("loaded %s from %s in %.1fs", loaded.name, loaded.path, time.monotonic() - started)
     vision = None
     if loaded.image_token_id is not None:
@@ -221,6 +244,7 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         eos_token_ids=loaded.eos_token_ids,
         tokenizer_files=loaded.tokenizer_files,
         vision=vision is not None,
+        model_digest=loaded.digest,
     )
     try:
         worker = Worker(settings, engine, hello, affinity)
