@@ -6,15 +6,24 @@ OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
 # Pinned with mlx and mlx-lm (pyproject.toml says why it is installed here).
 MLX_VLM := mlx-vlm==0.7.10
 
-.PHONY: install openblas model run test bench clean
+.PHONY: install install-test openblas model run test bench clean
 
+# What serving needs (make run); the test tools come with install-test. pip
+# prints what it fetches, so a first run shows its progress.
 install: $(VENV)/.installed openblas
 
+install-test: $(VENV)/.installed-test openblas
+
 $(VENV)/.installed: pyproject.toml Makefile
+	@echo "installing mlxd and its dependencies into $(VENV) (the first time, a minute or two)"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
-	$(PY) -m pip install --quiet --no-deps '$(MLX_VLM)'
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -e .
+	$(PY) -m pip install --no-deps '$(MLX_VLM)'
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -e '.[test]'
 	touch $@
 
 # MLX's Linux CPU wheel bundles the slow reference BLAS; the worker switches to
@@ -39,10 +48,10 @@ model: install
 run: install
 	$(VENV)/bin/mlxd serve $(if $(MODEL),--model $(MODEL))
 
-test: install model
+test: install-test model
 	$(PY) -m pytest -q
 
-bench: install model
+bench: install-test model
 	$(PY) -m tests.bench.harness --write
 	$(PY) -m tests.bench.abort
 	$(PY) -m tests.bench.cpu_share

@@ -128,11 +128,14 @@ class AnthropicAPI:
         max_tokens = self.serving.max_tokens(prompt.token_ids, body.max_tokens, worker, "messages")
         family = worker.tokenizer.tool_family
         forced = isinstance(body.tool_choice, (ToolChoiceAny, ToolChoiceTool))
+        defaults = worker.sampling  # the model's, where the body is silent
         sampling = Sampling(
             max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
+            temperature=defaults.temperature if body.temperature is None else body.temperature,
+            top_p=defaults.top_p if body.top_p is None else body.top_p,
+            top_k=defaults.top_k if body.top_k is None else body.top_k,
+            min_p=defaults.min_p,
+            repetition_penalty=defaults.repetition_penalty,
             grammar=forced_tool_call_grammar(tools, family) if forced else None,
         )
         message_id = f"msg_{uuid.uuid4().hex}"

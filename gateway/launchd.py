@@ -5,6 +5,11 @@ Two jobs, so that ops can restart the worker alone (`restart-worker`, which is
 worker drains and hands its requests back, the gateway resumes them on the
 next worker.
 
+Secrets never sit in a world-readable file: --api-key values go to a key file
+(0600) that the gateway's plist names, and the plists themselves are 0600. An
+install whose gateway would be refused at every start (beyond loopback with no
+key) is refused now.
+
   install [--system] [--dry-run --output DIR] [settings...]
   uninstall [--system]
   status [--system]
@@ -24,6 +29,9 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import msgspec
+
+from gateway.security import KeyRing, keys_required
 from gateway.settings import GatewaySettings
 from protocol.settings import add_arguments, resolve, to_environment
 from protocol.worker_settings import WorkerSettings
@@ -55,6 +63,8 @@ class Layout:
             self.domain = f"gui/{self.user.pw_uid}"
         # The worker socket's directory; the gateway creates it 0700.
         self.endpoint = f"ipc://{home}/.mlxd/run/worker.sock"
+        # Where --api-key values go (0600), for the gateway's --api-key-file.
+        self.key_file = home / ".mlxd" / "api-keys"
 
     def target(self, job: str) -> str:
         return f"{self.domain}/{LABELS[job]}"
@@ -78,6 +88,34 @@ def mlxd_executable() -> Path:
     if not path.exists():
         raise LaunchdError(f"{path} does not exist; install mlxd (make install) first")
     return path
+
+
+def checked_gateway(layout: Layout, gateway: GatewaySettings) -> tuple[GatewaySettings, list[str]]:
+    """The gateway's settings as its plist will carry them, and the keys to
+    write to layout.key_file (none when the keys already live in a file).
+
+    Raises LaunchdError for an install whose gateway would be refused at
+    every start: beyond loopback with no key, or a key file with none.
+    """
+    if gateway.api_key and gateway.api_key_file:
+        raise LaunchdError("give the API keys either as --api-key or in --api-key-file, not both")
+    if gateway.api_key_file:
+        try:
+            has_keys = KeyRing([], gateway.api_key_file).enabled
+        except OSError as e:
+            raise LaunchdError(f"cannot read --api-key-file {gateway.api_key_file}: {e}") from None
+        if not has_keys and keys_required(gateway):
+            raise LaunchdError(f"--api-key-file {gateway.api_key_file} holds no key, and the gateway would listen "
+                               f"on {gateway.host}: it would be refused at every start")
+        return gateway, []
+    if not gateway.api_key:
+        if keys_required(gateway):
+            raise LaunchdError(
+                f"the gateway would listen on {gateway.host} without an API key and be refused at every start: "
+                "add --api-key KEY (or --api-key-file FILE), or, on a network you trust completely, --insecure-no-auth"
+            )
+        return gateway, []
+    return msgspec.structs.replace(gateway, api_key=[], api_key_file=str(layout.key_file)), gateway.api_key
 
 
 def render(layout: Layout, gateway: GatewaySettings, worker: WorkerSettings) -> dict[str, dict]:
@@ -107,31 +145,52 @@ def newsyslog(layout: Layout) -> str:
 
 def _launchctl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     if shutil.which("launchctl") is None:
-        raise LaunchdError("launchctl not found: launchd deployment is for macOS (try --dry-run --output DIR)")
+        raise LaunchdError("launchctl not found: launchd runs mlxd as a service on macOS only")
     result = subprocess.run(["launchctl", *args], capture_output=True, text=True)
     if check and result.returncode != 0:
         raise LaunchdError(f"launchctl {' '.join(args)} failed: {result.stderr.strip() or result.returncode}")
     return result
 
 
-def install(layout: Layout, jobs: dict[str, dict], output: Path | None) -> None:
+def write_private(path: Path, data: bytes, owner: pwd.struct_passwd | None = None) -> None:
+    """Write a file only its owner can read (0600) from the first byte on."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    if owner is not None:
+        os.chown(path, owner.pw_uid, owner.pw_gid)
+
+
+def key_file_text(keys: list[str]) -> bytes:
+    return ("# API keys for the mlxd gateway, one per line; `kill -HUP` the gateway after editing\n"
+            + "".join(f"{k}\n" for k in keys)).encode()
+
+
+def install(layout: Layout, jobs: dict[str, dict], keys: list[str], output: Path | None) -> None:
     if output is not None:
         output.mkdir(parents=True, exist_ok=True)
         for job, plist in jobs.items():
-            with open(output / f"{LABELS[job]}.plist", "wb") as f:
-                plistlib.dump(plist, f)
+            write_private(output / f"{LABELS[job]}.plist", plistlib.dumps(plist))
         (output / "mlxd.newsyslog.conf").write_text(newsyslog(layout))
-        print(f"wrote {', '.join(f'{label}.plist' for label in LABELS.values())} and mlxd.newsyslog.conf to {output}")
+        if keys:
+            write_private(output / layout.key_file.name, key_file_text(keys))
+        print(f"wrote {', '.join(f'{label}.plist' for label in LABELS.values())}, mlxd.newsyslog.conf"
+              f"{f' and {layout.key_file.name} (installed as {layout.key_file})' if keys else ''} to {output}")
         return
     layout.plist_dir.mkdir(parents=True, exist_ok=True)
     layout.log_dir.mkdir(parents=True, exist_ok=True)
     if layout.system:
         os.chown(layout.log_dir, layout.user.pw_uid, layout.user.pw_gid)
+    if keys:
+        layout.key_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_private(layout.key_file, key_file_text(keys), layout.user if layout.system else None)
+        print(f"API keys: {layout.key_file} (0600; add or revoke keys there, then `launchctl kill HUP` the gateway)")
     for job in ("gateway", "worker"):
         path = layout.plist_dir / f"{LABELS[job]}.plist"
         _launchctl("bootout", layout.target(job), check=False)  # an earlier install, if any
-        with open(path, "wb") as f:
-            plistlib.dump(jobs[job], f)
+        # 0600: the gateway's environment may hold a metrics key.
+        write_private(path, plistlib.dumps(jobs[job]))
         _launchctl("bootstrap", layout.domain, str(path))
         print(f"installed and started {layout.target(job)} ({path})")
     try:
@@ -191,9 +250,9 @@ def main(argv: list[str]) -> int:
         if args.command == "install":
             if args.dry_run != (args.output is not None):
                 parser.error("--dry-run and --output go together")
-            gateway = resolve(GatewaySettings, args, environ={})
+            gateway, keys = checked_gateway(layout, resolve(GatewaySettings, args, environ={}))
             worker = resolve(WorkerSettings, args, environ={})
-            install(layout, render(layout, gateway, worker), args.output)
+            install(layout, render(layout, gateway, worker), keys, args.output)
         elif args.command == "uninstall":
             uninstall(layout)
         elif args.command == "status":
@@ -201,6 +260,7 @@ def main(argv: list[str]) -> int:
         else:
             restart_worker(layout)
     except (LaunchdError, ValueError, KeyError, PermissionError) as e:
-        print(f"mlxd launchd: error: {e}", file=sys.stderr)
+        hint = " (--dry-run --output DIR writes the plists without it)" if args.command == "install" else ""
+        print(f"mlxd launchd: error: {e}{hint if 'launchctl not found' in str(e) else ''}", file=sys.stderr)
         return 1
     return 0

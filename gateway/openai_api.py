@@ -50,6 +50,7 @@ from gateway.openai_schema import (
 from gateway.images import ImageSource
 from gateway.parsing import ToolCall, stream_parsers
 from gateway.serving import Choice, EventStream, Generation, Serving, collect, error_type
+from gateway.worker_link import WorkerState
 from gateway.tokenizer import Prompt, template_content
 from gateway.structured import forced_tool_call_grammar, json_schema_grammar, named_tool
 from protocol import Sampling
@@ -62,9 +63,12 @@ def sse(payload) -> bytes:
     return b"data: " + _json.encode(payload) + b"\n\n"
 
 
-def samplings(body: GenerationRequest, max_tokens: int, logprobs: int | None, vocab_size: int,
+def samplings(body: GenerationRequest, max_tokens: int, logprobs: int | None, worker: WorkerState,
               grammar: str | None = None) -> list[Sampling]:
-    """One Sampling per choice; with a seed, choice i samples with seed + i."""
+    """One Sampling per choice, the model's defaults where the body is silent;
+    with a seed, choice i samples with seed + i."""
+    vocab_size = worker.hello.vocab_size
+    defaults = worker.sampling
     bias = {}
     for key, value in (body.logit_bias or {}).items():
         if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
@@ -73,15 +77,15 @@ def samplings(body: GenerationRequest, max_tokens: int, logprobs: int | None, vo
         bias[int(key)] = value
     base = Sampling(
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=max(body.top_k or 0, 0),
-        min_p=body.min_p or 0.0,
+        temperature=defaults.temperature if body.temperature is None else body.temperature,
+        top_p=defaults.top_p if body.top_p is None else body.top_p,
+        top_k=defaults.top_k if body.top_k is None else max(body.top_k, 0),
+        min_p=defaults.min_p if body.min_p is None else body.min_p,
         seed=body.seed,
         ignore_eos=body.ignore_eos,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=body.repetition_penalty or 1.0,
+        repetition_penalty=defaults.repetition_penalty if body.repetition_penalty is None else body.repetition_penalty,
         logit_bias=bias,
         logprobs=logprobs,
         grammar=grammar,
@@ -196,7 +200,7 @@ class OpenAIAPI:
         parsers = stream_parsers(worker.tokenizer.reasoning_markers, family, prompt.text, bool(tools))
         generation = self.serving.start(
             request, worker, output.id, prompt,
-            samplings(body, max_tokens, logprobs, worker.hello.vocab_size, grammar), stop, parsers,
+            samplings(body, max_tokens, logprobs, worker, grammar), stop, parsers,
         )
         return await self.respond(request, body, generation, output)
 
@@ -221,7 +225,7 @@ class OpenAIAPI:
         max_tokens = self.serving.max_tokens(prompt.token_ids, body.max_tokens, worker, "prompt")
         output = CompletionOutput(body.model)
         generation = self.serving.start(
-            request, worker, output.id, prompt, samplings(body, max_tokens, body.logprobs, worker.hello.vocab_size),
+            request, worker, output.id, prompt, samplings(body, max_tokens, body.logprobs, worker),
             stop,
         )
         return await self.respond(request, body, generation, output)

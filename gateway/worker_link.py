@@ -44,6 +44,7 @@ import zmq.asyncio
 
 from gateway.curve import secure_server
 from gateway.generation import Delta, RequestStream
+from gateway.sampling_defaults import SamplingDefaults, sampling_defaults
 from gateway.tokenizer import Tokenizer, files_digest
 from protocol import (
     PROTOCOL_VERSION,
@@ -88,6 +89,7 @@ class WorkerState:
     accepted_at: float
     last_beat: float
     last_progress: float  # when the step counter last moved (or the worker was idle)
+    sampling: SamplingDefaults  # for requests that leave sampling parameters out
     state: str = "ready"
     bad_since: float | None = None
     reported_unhealthy: bool = False
@@ -264,6 +266,7 @@ class WorkerLink:
                 model=w.hello.model,
                 context_length=w.hello.context_length,
                 capacity=w.hello.capacity,
+                sampling_defaults=msgspec.structs.asdict(w.sampling),
                 running=w.running,
                 waiting=w.waiting,
                 steps=w.steps,
@@ -376,7 +379,8 @@ class WorkerLink:
         now = time.monotonic()
         self.load_failure = None
         self.stats.workers_accepted += 1
-        self.worker = WorkerState(identity, hello, tokenizer, accepted_at=now, last_beat=now, last_progress=now)
+        self.worker = WorkerState(identity, hello, tokenizer, accepted_at=now, last_beat=now, last_progress=now,
+                                  sampling=sampling_defaults(hello.tokenizer_files))
         self._send(identity, Welcome(hello.epoch))
         self._ready.set()
         log.info(

