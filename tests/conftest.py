@@ -59,7 +59,8 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
 class Server:
     """A running mlxd (gateway + worker) on 127.0.0.1."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict | None = None) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None, new_session: bool = False) -> None:
+        """new_session: a process group of its own, to be signalled as a terminal's Ctrl-C would."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -70,6 +71,7 @@ class Server:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
+            start_new_session=new_session,
         )
         self.http = httpx.Client(base_url=self.url, timeout=60)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import plistlib
 import shutil
+import stat
 import subprocess
 
 import pytest
@@ -19,7 +20,7 @@ def install(tmp_path, *args: str) -> dict[str, dict]:
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in out.iterdir()) == [
+    assert sorted(p.name for p in out.iterdir() if p.name != "api-keys") == [
         "com.mlxd.gateway.plist", "com.mlxd.worker.plist", "mlxd.newsyslog.conf"
     ]
     jobs = {}
@@ -63,3 +64,43 @@ def test_without_launchctl_it_says_so():
     result = subprocess.run([*MLXD, "launchd", "restart-worker"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 1
     assert "launchctl not found" in result.stderr and "Traceback" not in result.stderr
+
+
+def run_install(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*MLXD, "launchd", "install", "--dry-run", "--output", str(tmp_path / "out"), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_a_lan_gateway_without_a_key_is_refused_at_install(tmp_path):
+    result = run_install(tmp_path, "--host", "0.0.0.0")
+    assert result.returncode == 1 and "without an API key" in result.stderr
+    assert not (tmp_path / "out").exists()
+    empty = tmp_path / "keys.txt"
+    empty.write_text("# no key yet\n")
+    result = run_install(tmp_path, "--host", "0.0.0.0", "--api-key-file", str(empty))
+    assert result.returncode == 1 and "holds no key" in result.stderr
+    assert run_install(tmp_path, "--host", "0.0.0.0", "--insecure-no-auth").returncode == 0
+
+
+def test_api_keys_go_to_a_private_file_never_a_plist(tmp_path):
+    jobs = install(tmp_path, "--host", "0.0.0.0", "--api-key", "the-secret-key", "--metrics-key", "scrape")
+    out = tmp_path / "out"
+    env = jobs["gateway"]["EnvironmentVariables"]
+    assert env["MLXD_API_KEY_FILE"].endswith("/.mlxd/api-keys") and "MLXD_API_KEYS" not in env
+    for name in ("com.mlxd.gateway.plist", "com.mlxd.worker.plist"):
+        assert b"the-secret-key" not in (out / name).read_bytes()
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o600
+    key_file = out / "api-keys"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert "the-secret-key" in key_file.read_text().splitlines()
+    # A key file already given is referenced as it is.
+    given = tmp_path / "mine.txt"
+    given.write_text("k1\n")
+    jobs = install(tmp_path, "--host", "0.0.0.0", "--api-key-file", str(given))
+    assert jobs["gateway"]["EnvironmentVariables"]["MLXD_API_KEY_FILE"] == str(given)
+
+
+@pytest.mark.skipif(shutil.which("launchctl") is not None, reason="would query a real install")
+def test_status_without_launchctl_suggests_nothing_that_does_not_apply():
+    result = subprocess.run([*MLXD, "launchd", "status"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "macOS" in result.stderr and "--dry-run" not in result.stderr
