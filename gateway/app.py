@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway.curve import CurveError
 from gateway.errors import APIError, api_error_handler, http_error_handler, internal_error_handler
 from gateway.anthropic_api import AnthropicAPI
 from gateway.metrics import RequestCounter
@@ -52,7 +53,7 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
     )
     try:
         link.bind()
-    except (EndpointInUse, RuntimeError) as e:
+    except (EndpointInUse, CurveError, RuntimeError) as e:
         raise SystemExit(f"mlxd: {e}; stop that gateway first, or give this one another --worker-endpoint"
                          if isinstance(e, EndpointInUse) else f"mlxd: {e}") from None
     supervisor = WorkerSupervisor(worker_settings, link, settings.drain_s + 5) if worker_settings else None

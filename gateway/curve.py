@@ -12,7 +12,7 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
-from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.auth.thread import ThreadAuthenticator
 
 log = logging.getLogger("mlxd.gateway.curve")
 
@@ -36,9 +36,13 @@ class WorkerAllowlist:
         return False
 
 
-def secure_server(context: zmq.asyncio.Context, socket: zmq.Socket, secret_key: str | None,
-                  authorized: str | None) -> AsyncioAuthenticator:
-    """Make `socket` a CURVE server that admits only authorized workers."""
+def secure_server(context: zmq.Context, socket: zmq.Socket, secret_key: str | None,
+                  authorized: str | None) -> ThreadAuthenticator:
+    """Make `socket` a CURVE server that admits only authorized workers.
+
+    The authenticator answers from a thread of its own, so it is in place
+    before the socket binds, even before the event loop runs: a worker that
+    connected before it would be let in unchecked."""
     if not secret_key or not authorized:
         raise CurveError(
             "a tcp:// worker endpoint must be encrypted: give the gateway --curve-secret-key FILE and "
@@ -47,7 +51,8 @@ def secure_server(context: zmq.asyncio.Context, socket: zmq.Socket, secret_key: 
     public, secret = zmq.auth.load_certificate(secret_key)
     if secret is None:
         raise CurveError(f"{secret_key} holds no secret key (use the .key_secret file)")
-    authenticator = AsyncioAuthenticator(context)
+    # A plain (not asyncio) context on the same ZeroMQ context, for the thread's sockets.
+    authenticator = ThreadAuthenticator(zmq.Context.shadow(context.underlying))
     authenticator.start()
     authenticator.configure_curve_callback("*", credentials_provider=WorkerAllowlist(Path(authorized)))
     socket.curve_secretkey = secret

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from protocol import Heartbeat, Hello, Welcome
 from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, free_port, wait_for
-from tests.test_restarts import PROMPT, StreamReader, split  # noqa: F401 (split is a fixture)
+from tests.test_restarts import StreamReader, sigterm_mid_stream, split  # noqa: F401 (split is a fixture)
 from tests.tiny_model import make_tiny_model
 
 
@@ -105,13 +106,7 @@ def sibling_model(tmp_path_factory) -> Path:
 def test_a_stream_does_not_resume_on_other_weights(split, tiny_model, sibling_model):  # noqa: F811
     assert (tiny_model / "tokenizer.json").read_bytes() == (sibling_model / "tokenizer.json").read_bytes()
     s = split("--worker-timeout-s", "1")
-    first = s.start_worker("--drain-s", "0.2")
-    s.gateway.wait_ready()
-    reader = StreamReader(s.gateway.url)
-    reader.start()
-    reader.wait_for_pieces(20)
-    os.kill(first.pid, signal.SIGTERM)
-    assert first.wait(10) == 0
+    reader = sigterm_mid_stream(s)
     pieces = len(reader.pieces)
     s.start_worker("--model", str(sibling_model))
     reader.join(60)
@@ -249,6 +244,23 @@ def test_a_killed_worker_is_seen_at_once(split):  # noqa: F811
     took = wait_for(lambda: s.gateway.http.get("/ready").status_code == 503, 5, "/ready to say 503")
     assert took < 1.0
     assert s.gateway.health()["worker"]["state"] == "absent"
+
+
+def test_the_worker_logs_its_welcome_once(tiny_model, tmp_path):
+    """A gateway slow to build its tokenizer answers every Hello the worker re-sent meanwhile."""
+    from tests.test_worker import FakeGateway
+
+    gateway = FakeGateway(tiny_model, tmp_path)
+    try:
+        gateway.receive_until(Hello)  # a second Hello: the first was not answered within its retry time
+        for _ in range(2):
+            gateway.send(Welcome(gateway.hello.epoch))
+        gateway.receive_until(Heartbeat)
+        time.sleep(0.3)
+        assert gateway.log_path.read_text().count("welcomed by the gateway") == 1
+        assert len(gateway.hello.model_digest) == 64  # a SHA-256 of the config and weights
+    finally:
+        gateway.close()
 
 
 def test_version():

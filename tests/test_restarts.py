@@ -160,8 +160,8 @@ def test_kill_9_mid_stream_then_a_new_worker(split, expected):
     print(f"\nkill -9, then a new worker: the client's longest pause was {reader.longest_pause():.2f}s")
 
 
-def test_sigterm_hands_requests_back(split, expected):
-    s = split("--worker-timeout-s", "1")
+def sigterm_mid_stream(s: Split) -> StreamReader:
+    """A stream under way on a first worker, which is then stopped (SIGTERM: it hands the stream back)."""
     first = s.start_worker("--drain-s", "0.3")
     s.gateway.wait_ready()
     reader = StreamReader(s.gateway.url)
@@ -169,6 +169,12 @@ def test_sigterm_hands_requests_back(split, expected):
     reader.wait_for_pieces(20)
     os.kill(first.pid, signal.SIGTERM)
     assert first.wait(10) == 0
+    return reader
+
+
+def test_sigterm_hands_requests_back(split, expected):
+    s = split("--worker-timeout-s", "1")
+    reader = sigterm_mid_stream(s)
     health = s.gateway.health()["worker"]
     assert health["state"] == "absent" and health["requests_waiting_for_a_worker"] == 1
     s.start_worker()
