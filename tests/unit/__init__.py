@@ -1,0 +1,1 @@
+"""Tests of the pure parts: no process, no socket, no model run."""

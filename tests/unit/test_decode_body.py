@@ -1,0 +1,35 @@
+import pytest
+
+from gateway.errors import APIError, decode_body, error_payload
+from gateway.openai_schema import ChatCompletionRequest
+
+
+def error_of(body: bytes) -> APIError:
+    with pytest.raises(APIError) as e:
+        decode_body(body, ChatCompletionRequest)
+    return e.value
+
+
+def test_malformed_json():
+    error = error_of(b"{")
+    assert error.status == 400 and error.code == "invalid_json"
+
+
+def test_an_unknown_field_is_named():
+    error = error_of(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "frobnicate": 1}')
+    assert error.code == "unsupported_parameter" and error.param == "frobnicate"
+    assert "frobnicate" in error.message
+
+
+def test_a_value_out_of_range_names_its_path():
+    error = error_of(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 9}')
+    assert error.param == "temperature"
+
+
+def test_a_missing_field():
+    assert error_of(b'{"messages": []}').status == 400
+
+
+def test_error_payloads_follow_the_api_of_the_path():
+    assert b'"type":"error"' in error_payload("/v1/messages", 404, "no", "not_found_error")
+    assert b'"param":null' in error_payload("/v1/chat/completions", 404, "no", "not_found_error")

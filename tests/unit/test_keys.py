@@ -1,0 +1,68 @@
+import pytest
+
+from gateway.security import KeyRing, is_loopback, keys_required, presented_key
+from gateway.settings import GatewaySettings
+
+
+def test_keys_from_flags_and_file(tmp_path):
+    key_file = tmp_path / "keys"
+    key_file.write_text("# comment\n  file-key  \n\n")
+    ring = KeyRing(["flag-key"], str(key_file))
+    assert ring.enabled
+    assert ring.identify("flag-key") and ring.identify("file-key")
+    assert ring.identify("# comment") is None and ring.identify("") is None and ring.identify(None) is None
+    assert ring.identify("flag-key") != ring.identify("file-key")
+
+
+def test_a_required_ring_refuses_a_reload_that_empties_it(tmp_path):
+    key_file = tmp_path / "keys"
+    key_file.write_text("k1\n")
+    ring = KeyRing([], str(key_file), required=True)
+    key_file.write_text("# nothing\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        ring.reload()
+    assert ring.identify("k1")  # the keys loaded before stay
+    key_file.write_text("k2\n")
+    ring.reload()
+    assert ring.identify("k2") and not ring.identify("k1")
+
+
+def test_an_unrequired_ring_may_be_emptied(tmp_path):
+    key_file = tmp_path / "keys"
+    key_file.write_text("k1\n")
+    ring = KeyRing([], str(key_file))
+    key_file.write_text("")
+    ring.reload()
+    assert not ring.enabled
+
+
+def test_an_unreadable_file_keeps_the_keys(tmp_path):
+    key_file = tmp_path / "keys"
+    key_file.write_text("k1\n")
+    ring = KeyRing([], str(key_file))
+    key_file.unlink()
+    with pytest.raises(OSError):
+        ring.reload()
+    assert ring.identify("k1")
+
+
+@pytest.mark.parametrize("host, loopback", [
+    ("127.0.0.1", True), ("localhost", True), ("::1", True), ("[::1]", True), ("127.0.0.2", True),
+    ("0.0.0.0", False), ("192.168.1.5", False), ("example.com", False),
+])
+def test_loopback(host, loopback):
+    assert is_loopback(host) == loopback
+
+
+def test_keys_are_required_beyond_loopback_unless_waived():
+    assert keys_required(GatewaySettings(host="0.0.0.0"))
+    assert not keys_required(GatewaySettings(host="0.0.0.0", insecure_no_auth=True))
+    assert not keys_required(GatewaySettings())
+
+
+def test_presented_key_forms():
+    assert presented_key({b"authorization": b"Bearer  abc "}) == "abc"
+    assert presented_key({b"authorization": b"bearer abc"}) == "abc"
+    assert presented_key({b"authorization": b"Basic abc"}) is None
+    assert presented_key({b"x-api-key": b"xyz", b"authorization": b"Bearer abc"}) == "xyz"
+    assert presented_key({}) is None

@@ -1,0 +1,49 @@
+import argparse
+
+import pytest
+
+from gateway.settings import GatewaySettings
+from protocol.settings import add_arguments, explicit_values, resolve, to_arguments, to_environment
+from protocol.worker_settings import DEFAULT_MODEL_NAME, WorkerSettings, announced_name
+
+
+def parsed(settings_type, argv: list[str], environ: dict[str, str] | None = None):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, settings_type)
+    return resolve(settings_type, parser.parse_args(argv), environ or {})
+
+
+def test_flags_win_over_variables_which_win_over_defaults():
+    settings = parsed(GatewaySettings, ["--port", "9000"], {"MLXD_PORT": "9001", "MLXD_DRAIN_S": "3"})
+    assert settings.port == 9000 and settings.drain_s == 3.0 and settings.host == "127.0.0.1"
+
+
+def test_lists_take_repeats_and_commas():
+    settings = parsed(GatewaySettings, ["--api-key", "a,b", "--api-key", "c"])
+    assert settings.api_key == ["a", "b", "c"]
+    assert parsed(GatewaySettings, [], {"MLXD_API_KEYS": "x, y"}).api_key == ["x", "y"]
+
+
+def test_a_bad_value_names_its_flag_and_variable():
+    with pytest.raises(ValueError, match="port"):
+        parsed(GatewaySettings, ["--port", "70000"])
+
+
+def test_booleans_have_no_forms():
+    assert parsed(WorkerSettings, ["--no-cpu-dequantize"]).cpu_dequantize is False
+
+
+def test_arguments_and_environment_reproduce_the_settings():
+    settings = parsed(WorkerSettings, ["--model", "m", "--max-batch", "4", "--no-cpu-dequantize"])
+    assert parsed(WorkerSettings, to_arguments(settings)) == settings
+    assert parsed(WorkerSettings, [], to_environment(settings)) == settings
+
+
+def test_settings_at_their_defaults_are_not_written_out():
+    assert explicit_values(GatewaySettings()) == []
+    assert to_environment(GatewaySettings(port=1)) == {"MLXD_PORT": "1"}
+
+
+def test_the_announced_name():
+    assert announced_name(WorkerSettings()) == DEFAULT_MODEL_NAME
+    assert announced_name(WorkerSettings(model="org/model")) == "org/model"
