@@ -78,6 +78,7 @@ class RequestStream:
     def __init__(
         self,
         request_id: str,
+        queue: asyncio.Queue[Delta],
         prompt: list[int],
         sampling: Sampling,
         tokenizer: Tokenizer,
@@ -102,7 +103,7 @@ class RequestStream:
         # The weights it runs on (Hello.model_digest): it resumes only on the same.
         self.model_digest = ""
         self.finished = False
-        self.queue: asyncio.Queue[Delta] = asyncio.Queue()  # the group's, once grouped
+        self.queue = queue  # its group's: where its Deltas go
         self._tokenizer = tokenizer
         self._reasoning = reasoning
         self._tools = tools
@@ -172,11 +173,10 @@ def _plain(delta: Delta) -> bool:
 class RequestGroup:
     """The streams of one API request (n > 1 samples n of them), read as one."""
 
-    def __init__(self, streams: list[RequestStream]) -> None:
+    def __init__(self, streams: list[RequestStream], queue: asyncio.Queue[Delta]) -> None:
+        """`queue`: the one every stream of the group delivers to."""
         self.streams = streams
-        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
-        for stream in streams:
-            stream.queue = self.queue
+        self.queue = queue
 
     @property
     def prompt_tokens(self) -> int:

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from gateway.errors import APIError
-from gateway.generation import RequestGroup, RequestStream, TokenInfo
+from gateway.generation import Delta, RequestGroup, RequestStream, TokenInfo
 from gateway.images import ImageLoader, ImageSource
 from gateway.metrics import Metrics
 from gateway.parsing import ToolCall
@@ -263,11 +263,12 @@ class Serving:
         client_id = request.scope["state"]["client_id"]
         release = self.admission.admit(client_id)
         ids = [request_id] if len(samplings) == 1 else [f"{request_id}-{i}" for i in range(len(samplings))]
+        queue: asyncio.Queue[Delta] = asyncio.Queue()
         group = RequestGroup([
-            RequestStream(rid, prompt.token_ids, sampling, worker.tokenizer, stop, index,
+            RequestStream(rid, queue, prompt.token_ids, sampling, worker.tokenizer, stop, index,
                           *(parsers() if parsers else (None, None)), images=(prompt.tensors, prompt.arrays))
             for index, (rid, sampling) in enumerate(zip(ids, samplings))
-        ])
+        ], queue)
         timeout = self.settings.request_timeout_s
         deadline = asyncio.get_running_loop().time() + timeout if timeout else None
         arrived = request.scope["state"].get("arrived", time.monotonic())

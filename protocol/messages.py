@@ -15,7 +15,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class _Message(msgspec.Struct, array_like=True, tag_field="type", omit_defaults=False):
@@ -31,7 +31,6 @@ class Sampling(msgspec.Struct, array_like=True):
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    stop_token_ids: list[int] = []
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -127,8 +126,8 @@ class TokenLogprob(msgspec.Struct, array_like=True):
 class RequestOutput(msgspec.Struct, array_like=True):
     """New tokens of one request in one step.
 
-    finish_reason "stop" means the last token is a stop token (EOS or one of
-    the request's stop_token_ids): it counts as generated but is not text.
+    finish_reason "stop" means the last token is an EOS token: it counts as
+    generated but is not text.
     logprobs: one per token, when the request asked for them.
     """
 

@@ -82,5 +82,6 @@ def test_separate_worker_process_serves_and_leaves(gateway, tiny_model, referenc
     assert worker.returncode == 0
     wait_for(lambda: not gateway.health()["worker"]["ready"], 5, "the gateway to see the worker leave")
     assert gateway.proc.poll() is None and gateway.proc.pid == gateway_pid
-    expected_blas = "OpenBLAS" if openblas_path() else "BLAS: "
+    path = openblas_path()
+    expected_blas = f"BLAS: OpenBLAS ({path})" if path else "BLAS: reference BLAS bundled with mlx"
     assert expected_blas in (tmp_path / "worker.log").read_text()

@@ -40,7 +40,7 @@ TO_WORKER = [
         "chatcmpl-2",
         [9],
         Sampling(max_tokens=1, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=-3,
-                 stop_token_ids=[2, 3], ignore_eos=True),
+                 ignore_eos=True),
     ),
     Abort(["a", "b"]),
 ]

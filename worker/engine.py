@@ -46,7 +46,6 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.context_length = context_length
-        self.capacity = capacity
         self.steps = 0
         self._generator = BatchGenerator(
             model,
@@ -110,7 +109,7 @@ class Engine:
         """Queue a request; `buffers` hold its tensors' bytes (its images)."""
         self._check(request)
         s = request.sampling
-        stop_ids = list(s.stop_token_ids) + ([] if s.ignore_eos else self.eos_token_ids)
+        stop_ids = [] if s.ignore_eos else self.eos_token_ids
         max_tokens = min(s.max_tokens, self.context_length - len(request.prompt_token_ids))
         # Penalties look back over the whole context: prompt and completion.
         processors = make_logits_processors(

@@ -1,0 +1,84 @@
+"""The gateway under uvicorn, with mlxd's way of stopping (drain, then stop)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+
+import uvicorn
+
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+from protocol.worker_settings import WorkerSettings
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with mlxd's way of stopping.
+
+    The first SIGTERM/SIGINT drains: open streams get --drain-s to finish and
+    are then ended cleanly, so shutdown never hangs; a second ends them at
+    once. Either way the lifespan shuts down in order (the worker too) and the
+    process exits 0, with no re-raised signal and so no traceback. `fail`
+    stops serving when it cannot start, and the process then exits 1.
+    """
+
+    def __init__(self, config: uvicorn.Config, app) -> None:
+        super().__init__(config)
+        self._app = app
+        self.failure: str | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.should_exit:
+            self._app.state.stop_now()
+        else:
+            self._app.state.begin_drain()
+            self.should_exit = True
+
+    def fail(self, reason: str) -> None:
+        logging.getLogger("mlxd.gateway").error("%s", reason)
+        self.failure = reason
+        self.should_exit = True
+
+
+def run_gateway(settings: GatewaySettings, worker_settings: WorkerSettings | None = None) -> int:
+    app = create_app(settings, worker_settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        # The standard asyncio loop: pyzmq's asyncio sockets wake up later
+        # under uvloop (measured: half the throughput at 8 streams).
+        loop="asyncio",
+        # uvicorn's C parser: measured 3-13% less gateway CPU per streamed token than h11.
+        http="httptools",
+        # A backstop only: the drain itself ends every stream after drain_s.
+        timeout_graceful_shutdown=settings.drain_s + 3,
+    )
+    server = DrainingServer(config, app)
+    app.state.fail = server.fail
+    try:
+        server.run()
+    finally:
+        supervisor = app.state.supervisor
+        if supervisor is not None and supervisor.process is not None and supervisor.process.returncode is None:
+            # Should the orderly stop not have run (uvicorn failed to start), do not leave the worker behind.
+            os.kill(supervisor.process.pid, signal.SIGTERM)
+    if server.failure is not None:
+        print(f"mlxd: error: {server.failure}", file=sys.stderr)
+        return 1
+    return 0
