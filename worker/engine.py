@@ -6,6 +6,7 @@ Runs on the worker's main thread only; every method may call into MLX.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -23,6 +24,18 @@ MAX_TOP_LOGPROBS = 20
 
 class InvalidRequest(ValueError):
     """An AddRequest the engine will not run; the message says why."""
+
+
+@dataclass(slots=True)
+class Admitted:
+    """One request in the engine, from add to finish or abort."""
+
+    request_id: str
+    uid: int  # the BatchGenerator's
+    top_logprobs: int | None  # alternatives wanted with each token's logprob; None: no logprobs
+    cached_tokens: int | None  # prompt tokens from the prefix cache, until the first output reports them
+    cache_key: list[int] | None  # a request with images: its prefix-cache key (see worker.vision)
+    waiting: bool = True  # not prefilled yet
 
 
 class Engine:
@@ -53,28 +66,23 @@ class Engine:
             prefill_batch_size=min(prefill_batch_size, capacity),
             prefill_step_size=prefill_step_size,
         )
-        self._uid_of: dict[str, int] = {}
-        self._request_of: dict[int, str] = {}
-        self._waiting: set[str] = set()
-        self._top_logprobs: dict[str, int] = {}  # requests that want logprobs, and how many alternatives
-        self._cached_tokens: dict[str, int] = {}  # to report on each request's first output
-        # Prefix-cache keys of requests with images (see worker.vision.images_key).
-        self._cache_keys: dict[str, list[int]] = {}
+        self._requests: dict[str, Admitted] = {}
+        self._by_uid: dict[int, Admitted] = {}
 
     @property
     def has_work(self) -> bool:
-        return bool(self._uid_of)
+        return bool(self._requests)
 
     @property
     def running(self) -> int:
-        return len(self._uid_of) - len(self._waiting)
+        return len(self._requests) - self.waiting
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return sum(r.waiting for r in self._requests.values())
 
     def _check(self, request: AddRequest) -> None:
-        if request.request_id in self._uid_of:
+        if request.request_id in self._requests:
             raise InvalidRequest(f"request id {request.request_id!r} is already running")
         prompt = request.prompt_token_ids
         if not prompt:
@@ -131,6 +139,7 @@ class Engine:
         prompt = request.prompt_token_ids
         key = self.vision.cache_key(prompt, buffers) if request.tensors else prompt
         cache, reused = self.prefix_cache.take(key) if self.prefix_cache else (None, 0)
+        image_key = None
         rest, done = prompt[reused:], prompt[:reused]
         if request.tensors:
             tensors = {t.name: np.frombuffer(b, dtype=t.dtype).reshape(t.shape)
@@ -140,7 +149,7 @@ class Engine:
             except (ValueError, TypeError, IndexError) as e:  # inputs this model cannot take
                 raise InvalidRequest(f"the vision model cannot take these inputs: {e}") from None
             rest, done = prompt[-1:], prompt[:-1]
-            self._cache_keys[request.request_id] = key
+            image_key = key
         (uid,) = self._generator.insert(
             [rest],
             caches=[cache],
@@ -150,40 +159,35 @@ class Engine:
             logits_processors=[processors],
             stop_sequences=[StopSequences([[t] for t in stop_ids])],
         )
-        self._uid_of[request.request_id] = uid
-        self._request_of[uid] = request.request_id
-        self._waiting.add(request.request_id)
-        self._cached_tokens[request.request_id] = reused
-        if s.logprobs is not None:
-            self._top_logprobs[request.request_id] = s.logprobs
+        admitted = Admitted(request.request_id, uid, s.logprobs, reused, image_key)
+        self._requests[request.request_id] = admitted
+        self._by_uid[uid] = admitted
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop requests; unknown or finished ids are ignored (aborts are idempotent)."""
-        uids = [self._uid_of[r] for r in request_ids if r in self._uid_of]
-        if uids:
-            caches = self._generator.remove(uids, return_prompt_caches=self.prefix_cache is not None)
-            for uid, (cache, tokens) in caches.items():
-                self.prefix_cache.keep(self._cache_key(uid, tokens), cache)
-        for uid in uids:
-            self._forget(uid)
+        dropped = [self._requests.pop(r) for r in request_ids if r in self._requests]
+        if not dropped:
+            return
+        caches = self._generator.remove([r.uid for r in dropped], return_prompt_caches=self.prefix_cache is not None)
+        for uid, (cache, tokens) in caches.items():
+            self.prefix_cache.keep(self._cache_key(self._by_uid[uid], tokens), cache)
+        for admitted in dropped:
+            del self._by_uid[admitted.uid]
 
     def abort_all(self) -> list[str]:
-        ids = list(self._uid_of)
+        ids = list(self._requests)
         self.abort(ids)
         return ids
 
-    def _forget(self, uid: int) -> None:
-        request_id = self._request_of.pop(uid)
-        del self._uid_of[request_id]
-        self._waiting.discard(request_id)
-        self._top_logprobs.pop(request_id, None)
-        self._cached_tokens.pop(request_id, None)
-        self._cache_keys.pop(request_id, None)
+    def _finish(self, admitted: Admitted) -> None:
+        del self._requests[admitted.request_id]
+        del self._by_uid[admitted.uid]
 
-    def _cache_key(self, uid: int, tokens: list[int]) -> list[int]:
+    @staticmethod
+    def _cache_key(admitted: Admitted, tokens: list[int]) -> list[int]:
         """What a request's KV state is filed under: its tokens, with image
         positions keyed by the images' content."""
-        key = self._cache_keys.get(self._request_of[uid])
+        key = admitted.cache_key
         return tokens if key is None else key + list(tokens[len(key):])
 
     def step(self) -> list[RequestOutput]:
@@ -191,20 +195,21 @@ class Engine:
         prompt_responses, generation_responses = self._generator.next()
         self.steps += 1
         for r in prompt_responses:
-            self._waiting.discard(self._request_of[r.uid])
+            self._by_uid[r.uid].waiting = False
         outputs = []
         wanted = []
         for r in generation_responses:
-            request_id = self._request_of[r.uid]
-            self._waiting.discard(request_id)
-            outputs.append(RequestOutput(request_id, [r.token], r.finish_reason,
-                                         cached_tokens=self._cached_tokens.pop(request_id, None)))
-            if (k := self._top_logprobs.get(request_id)) is not None:
-                wanted.append((outputs[-1], r, k))
+            admitted = self._by_uid[r.uid]
+            admitted.waiting = False
+            outputs.append(RequestOutput(admitted.request_id, [r.token], r.finish_reason,
+                                         cached_tokens=admitted.cached_tokens))
+            admitted.cached_tokens = None  # reported once, on the first output
+            if admitted.top_logprobs is not None:
+                wanted.append((outputs[-1], r, admitted.top_logprobs))
             if r.finish_reason is not None:
                 if self.prefix_cache is not None:
-                    self.prefix_cache.keep(self._cache_key(r.uid, r.all_tokens), r.prompt_cache)
-                self._forget(r.uid)
+                    self.prefix_cache.keep(self._cache_key(admitted, r.all_tokens), r.prompt_cache)
+                self._finish(admitted)
         if wanted:
             self._attach_logprobs(wanted)
         return outputs

@@ -1,8 +1,10 @@
-"""The worker's serving loop. Everything here runs on the main thread.
+"""The worker's serving loop, and its start (load, then connect). Everything
+here runs on the main thread.
 
-Each turn: take every waiting message (without blocking while there is work),
-apply aborts and adds, run one engine step, take any aborts that arrived
-during the step, and send one StepOutput for the whole batch.
+Each turn: stop if a drain is over, greet the gateway until welcomed, take
+every waiting message (without blocking while there is work) and apply aborts
+then adds, run one engine step, take any aborts that arrived during the step,
+and send one StepOutput for the whole batch.
 
 SIGTERM (or SIGINT) drains: the worker tells the gateway it is Draining, runs
 its requests for up to --drain-s, then hands back the unfinished ones in its
@@ -68,6 +70,8 @@ class Worker:
         self.welcomed = False
         self.drain_deadline: float | None = None
         self.handed_back: list[str] = []
+        self._announced_drain = False
+        self._next_hello = 0.0
         self._context = zmq.Context()
         self.socket = connect(self._context, settings, f"worker-{hello.epoch}")
         self.socket.setsockopt(zmq.LINGER, 1000)
@@ -102,19 +106,22 @@ class Worker:
         if aborted:
             self.engine.abort(list(aborted))
             log.debug("aborted %s after step %d", " ".join(sorted(aborted)), self.engine.steps)
-        for m, buffers in messages:
-            if isinstance(m, AddRequest) and m.request_id not in aborted and self.drain_deadline is not None:
-                self.handed_back.append(m.request_id)  # crossed our Draining on the wire
-            elif isinstance(m, AddRequest) and m.request_id not in aborted:
-                try:
-                    self.engine.add(m, buffers)
-                except InvalidRequest as e:
-                    self.send(Error(m.request_id, str(e)))
-            elif isinstance(m, Welcome) and m.epoch == self.hello.epoch and not self.welcomed:
-                self.welcomed = True  # a Welcome may come once per Hello sent
-                log.info("welcomed by the gateway")
-            elif isinstance(m, Refused):
-                raise GatewayRefused(m.reason)
+        for message, buffers in messages:
+            match message:
+                case AddRequest(request_id=request_id) if request_id in aborted:
+                    pass
+                case AddRequest(request_id=request_id) if self.drain_deadline is not None:
+                    self.handed_back.append(request_id)  # crossed our Draining on the wire
+                case AddRequest():
+                    try:
+                        self.engine.add(message, buffers)
+                    except InvalidRequest as e:
+                        self.send(Error(message.request_id, str(e)))
+                case Welcome(epoch=epoch) if epoch == self.hello.epoch and not self.welcomed:
+                    self.welcomed = True  # a Welcome may come once per Hello sent
+                    log.info("welcomed by the gateway")
+                case Refused(reason=reason):
+                    raise GatewayRefused(reason)
 
     def step(self) -> None:
         try:
@@ -148,29 +155,17 @@ class Worker:
             self.drain_deadline = time.monotonic() + drain_s
 
     def run(self) -> int:
+        """The busy loop, as named steps: stop when done, greet the gateway,
+        take input, run one engine step."""
         heartbeat = HeartbeatThread(
             connect(self._context, self.settings, f"worker-{self.hello.epoch}-heartbeat"),
             self.settings.heartbeat_s,
             self.heartbeat,
         )
         heartbeat.start()
-        next_hello = 0.0
-        announced_drain = False
         try:
-            while True:
-                now = time.monotonic()
-                if self.drain_deadline is not None:
-                    if not announced_drain:
-                        self.send(Draining("the worker is stopping"))
-                        announced_drain = True
-                    if not self.engine.has_work or now >= self.drain_deadline:
-                        break
-                if not self.welcomed and now >= next_hello:
-                    self.send(self.hello)
-                    next_hello = now + HELLO_RETRY_S
-                if self.settings.parent_pid is not None and os.getppid() != self.settings.parent_pid:
-                    log.warning("the gateway that started this worker is gone; stopping")
-                    self.drain(0)
+            while self._keep_running():
+                self._greet()
                 self.handle(self.receive(0 if self.engine.has_work else IDLE_POLL_MS))
                 if self.engine.has_work:
                     self.step()
@@ -179,13 +174,35 @@ class Worker:
             return 2
         finally:
             heartbeat.stop()
-            self.handed_back += self.engine.abort_all()
-            if self.handed_back:
-                log.info("handing %d unfinished requests back to the gateway", len(self.handed_back))
-            self.send(Goodbye("the worker is stopping", self.handed_back))
-            self.socket.close()
-            self._context.term()
+            self._say_goodbye()
         return 0
+
+    def _keep_running(self) -> bool:
+        """False once a drain is over: its work finished, or its time is up."""
+        if self.settings.parent_pid is not None and os.getppid() != self.settings.parent_pid:
+            log.warning("the gateway that started this worker is gone; stopping")
+            self.drain(0)
+        if self.drain_deadline is None:
+            return True
+        if not self._announced_drain:
+            self.send(Draining("the worker is stopping"))
+            self._announced_drain = True
+        return self.engine.has_work and time.monotonic() < self.drain_deadline
+
+    def _greet(self) -> None:
+        """Until welcomed, (re)send the Hello: the gateway may not be there yet."""
+        now = time.monotonic()
+        if not self.welcomed and now >= self._next_hello:
+            self.send(self.hello)
+            self._next_hello = now + HELLO_RETRY_S
+
+    def _say_goodbye(self) -> None:
+        self.handed_back += self.engine.abort_all()
+        if self.handed_back:
+            log.info("handing %d unfinished requests back to the gateway", len(self.handed_back))
+        self.send(Goodbye("the worker is stopping", self.handed_back))
+        self.socket.close()
+        self._context.term()
 
 
 def load_failed(settings: WorkerSettings, reason: str) -> int:
