@@ -6,7 +6,7 @@ OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
 # Pinned with mlx and mlx-lm (pyproject.toml says why it is installed here).
 MLX_VLM := mlx-vlm==0.7.10
 
-.PHONY: install install-test openblas model run test bench clean
+.PHONY: install install-test openblas model run lint test bench clean
 
 # What serving needs (make run); the test tools come with install-test. pip
 # prints what it fetches, so a first run shows its progress.
@@ -47,6 +47,11 @@ model: install
 
 run: install
 	$(VENV)/bin/mlxd serve $(if $(MODEL),--model $(MODEL))
+
+# pyflakes and import order (ruff), types (mypy: strict on protocol/).
+lint: install-test
+	$(VENV)/bin/ruff check gateway worker protocol tests
+	$(VENV)/bin/mypy
 
 test: install-test model
 	$(PY) -m pytest -q

@@ -32,9 +32,9 @@ from gateway.anthropic_schema import (
     ToolUseOut,
     Usage,
 )
-from gateway.parsing import ToolCall, stream_parsers
 from gateway.errors import APIError, anthropic_error_body, decode_body
 from gateway.images import ImageSource
+from gateway.parsing import ToolCall, stream_parsers
 from gateway.serving import EventStream, Generation, Serving, collect
 from gateway.structured import forced_tool_call_grammar, named_tool
 from gateway.tokenizer import template_content
@@ -136,12 +136,13 @@ class AnthropicAPI:
             top_k=defaults.top_k if body.top_k is None else body.top_k,
             min_p=defaults.min_p,
             repetition_penalty=defaults.repetition_penalty,
-            grammar=forced_tool_call_grammar(tools, family) if forced else None,
+            grammar=forced_tool_call_grammar(tools, family) if forced and tools is not None else None,
         )
         message_id = f"msg_{uuid.uuid4().hex}"
         parsers = stream_parsers(worker.tokenizer.reasoning_markers, family, prompt.text, tools is not None)
         generation = self.serving.start(request, worker, message_id, prompt, [sampling], stops, parsers)
-        single_call = bool(body.tool_choice and body.tool_choice.disable_parallel_tool_use)
+        single_call = (body.tool_choice is not None and not isinstance(body.tool_choice, ToolChoiceNone)
+                       and body.tool_choice.disable_parallel_tool_use)
         if body.stream:
             return EventStream(self._events(generation, message_id, body.model, single_call), generation)
         choices = await collect(request, generation, self.serving)

@@ -16,13 +16,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway.anthropic_api import AnthropicAPI
 from gateway.curve import CurveError
 from gateway.errors import APIError, api_error_handler, http_error_handler, internal_error_handler
-from gateway.anthropic_api import AnthropicAPI
 from gateway.metrics import RequestCounter
 from gateway.openai_api import OpenAIAPI
-from gateway.serving import Serving
 from gateway.security import Guard, KeyRing, check_bind_policy, keys_required
+from gateway.serving import Serving
 from gateway.settings import GatewaySettings
 from gateway.supervisor import WorkerSupervisor
 from gateway.worker_link import EndpointInUse, WorkerLink

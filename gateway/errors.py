@@ -9,6 +9,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+
 class APIError(Exception):
     def __init__(
         self,
@@ -90,14 +91,20 @@ def decode_body(body: bytes, request_type: type):
         raise APIError(400, f"The body is not valid JSON: {e}", code="invalid_json") from None
 
 
-async def api_error_handler(request: Request, e: APIError) -> Response:
+# Starlette types every handler as taking an Exception; each is registered
+# for one class only.
+
+
+async def api_error_handler(request: Request, e: Exception) -> Response:
+    assert isinstance(e, APIError)
     return error_response(request.url.path, e)
 
 
 _STATUS_TYPES = {404: "not_found_error", 405: "invalid_request_error"}
 
 
-async def http_error_handler(request: Request, e: HTTPException) -> Response:
+async def http_error_handler(request: Request, e: Exception) -> Response:
+    assert isinstance(e, HTTPException)
     return error_response(
         request.url.path,
         APIError(e.status_code, str(e.detail), type=_STATUS_TYPES.get(e.status_code, "invalid_request_error")),

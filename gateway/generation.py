@@ -134,7 +134,7 @@ class RequestStream:
         calls: list[ToolCall] = []
         if self._tools is not None:
             text, calls = self._tools.feed(text, ended)
-        finish = "stop" if stop is not None else output.finish_reason
+        finish: str | None = "stop" if stop is not None else output.finish_reason
         if finish == "stop" and self._tools is not None and self._tools.calls:
             finish = "tool_calls"
         logprobs = self._token_infos(token_ids, output.logprobs) if output.logprobs else []

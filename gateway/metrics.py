@@ -6,6 +6,8 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -79,11 +81,11 @@ class Metrics:
 class RequestCounter:
     """ASGI middleware: counts every HTTP request by route and status."""
 
-    def __init__(self, app, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         status = 500

@@ -11,6 +11,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import cast
 
 import msgspec
 from starlette.requests import Request
@@ -18,6 +19,7 @@ from starlette.responses import Response
 
 from gateway.errors import APIError, decode_body, error_body
 from gateway.generation import TokenInfo
+from gateway.images import ImageSource
 from gateway.openai_schema import (
     AssistantMessage,
     ChatChoice,
@@ -47,12 +49,11 @@ from gateway.openai_schema import (
     TopLogprob,
     Usage,
 )
-from gateway.images import ImageSource
 from gateway.parsing import ToolCall, stream_parsers
 from gateway.serving import Choice, EventStream, Generation, Serving, collect, error_type
-from gateway.worker_link import WorkerState
-from gateway.tokenizer import Prompt, template_content
 from gateway.structured import forced_tool_call_grammar, json_schema_grammar, named_tool
+from gateway.tokenizer import Prompt, template_content
+from gateway.worker_link import WorkerState
 from protocol import Sampling
 
 _json = msgspec.json.Encoder()
@@ -154,6 +155,7 @@ def chat_grammar(body: ChatCompletionRequest, tools: list[dict] | None, family: 
         raise APIError(400, "a forced tool_choice and a JSON response_format cannot both constrain the output",
                        param="response_format")
     if forced:
+        assert tools is not None  # tool_definitions refused a forced choice without tools
         return forced_tool_call_grammar(tools, family)
     if isinstance(body.response_format, ResponseFormatJSONSchema):
         return json_schema_grammar(body.response_format.json_schema.schema)
@@ -218,10 +220,11 @@ class OpenAIAPI:
                                                                    param="prompt"))
         else:
             vocab = worker.hello.vocab_size
-            bad = next((t for t in prompt_in if not 0 <= t < vocab), None)
+            token_ids = [t for t in prompt_in if isinstance(t, int)]  # all of them (checked above)
+            bad = next((t for t in token_ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
-            prompt = Prompt("", prompt_in)
+            prompt = Prompt("", token_ids)
         max_tokens = self.serving.max_tokens(prompt.token_ids, body.max_tokens, worker, "prompt")
         output = CompletionOutput(body.model)
         generation = self.serving.start(
@@ -342,7 +345,9 @@ class ChatOutput(_Output):
 
     def response(self, choices: list[Choice], usage: Usage) -> ChatCompletion:
         return ChatCompletion(self.id, self.created, self.model, [
-            ChatChoice(i, self._message(i, c), c.finish_reason, self._logprobs(c.logprobs) if c.logprobs else None)
+            # Every choice of a collected response has finished.
+            ChatChoice(i, self._message(i, c), cast(str, c.finish_reason),
+                       self._logprobs(c.logprobs) if c.logprobs else None)
             for i, c in enumerate(choices)
         ], usage)
 

@@ -31,7 +31,8 @@ class ReasoningSplitter:
     def feed(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning, content) that are safe to emit."""
         self._pending += text
-        reasoning, content = [], []
+        reasoning: list[str] = []
+        content: list[str] = []
         while True:
             if self._trim:
                 self._pending = self._pending.lstrip("\n")
@@ -142,10 +143,11 @@ class ToolCallParser:
             return "", []
         text, self._pending = self._pending, ""
         parts = text.split(";") if self.family == "llama3" else [text]
-        calls = [self._parse(part) for part in parts]
-        if any(c is None for c in calls):
+        parsed = [self._parse(part) for part in parts]
+        calls = [call for found in parsed if found is not None for call in found]
+        if any(found is None for found in parsed):
             return text, []
-        return "", [call for parsed in calls for call in parsed]
+        return "", calls
 
     def _parse(self, text: str) -> list[ToolCall] | None:
         """The calls a JSON object (or list of them) describes; None if it is not one."""

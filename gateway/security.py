@@ -12,6 +12,8 @@ import logging
 import time
 from pathlib import Path
 
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from gateway.errors import error_payload
 from gateway.settings import GatewaySettings
 
@@ -119,14 +121,14 @@ class Guard:
     client's address, for per-client limits; and ["authenticated"].
     """
 
-    def __init__(self, app, settings: GatewaySettings, keys: KeyRing) -> None:
+    def __init__(self, app: ASGIApp, settings: GatewaySettings, keys: KeyRing) -> None:
         self.app = app
         self.keys = keys
         self.metrics_keys = KeyRing(settings.metrics_key, None, kind="metrics keys")
         self.loopback = is_loopback(settings.host)
         self.allowed_hosts = LOOPBACK_NAMES | {h.lower() for h in settings.allowed_host}
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         scope.setdefault("state", {})["arrived"] = time.monotonic()

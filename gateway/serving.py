@@ -13,10 +13,13 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from gateway.errors import APIError
 from gateway.generation import Delta, RequestGroup, RequestStream, TokenInfo
@@ -29,6 +32,7 @@ from gateway.worker_link import WorkerLink, WorkerState, WorkerUnavailable
 from protocol import Sampling
 
 log = logging.getLogger("mlxd.gateway.api")
+T = TypeVar("T")
 
 
 ERROR_TYPES = {499: "cancelled", 503: "service_unavailable"}
@@ -141,7 +145,7 @@ class EventStream(StreamingResponse):
         )
         self._generation = generation
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
@@ -219,7 +223,8 @@ class Serving:
             )
         return worker
 
-    async def tokenize(self, fn, *args, param: str = "messages") -> list[int]:
+    async def tokenize(self, fn: Callable[..., T], *args: Any, param: str = "messages") -> T:
+        """fn(*args) in a thread; a PromptError is the client's 400."""
         try:
             return await asyncio.to_thread(fn, *args)
         except PromptError as e:
@@ -264,11 +269,12 @@ class Serving:
         release = self.admission.admit(client_id)
         ids = [request_id] if len(samplings) == 1 else [f"{request_id}-{i}" for i in range(len(samplings))]
         queue: asyncio.Queue[Delta] = asyncio.Queue()
-        group = RequestGroup([
-            RequestStream(rid, queue, prompt.token_ids, sampling, worker.tokenizer, stop, index,
-                          *(parsers() if parsers else (None, None)), images=(prompt.tensors, prompt.arrays))
-            for index, (rid, sampling) in enumerate(zip(ids, samplings))
-        ], queue)
+        streams = []
+        for index, (rid, sampling) in enumerate(zip(ids, samplings)):
+            reasoning, tools = parsers() if parsers else (None, None)
+            streams.append(RequestStream(rid, queue, prompt.token_ids, sampling, worker.tokenizer, stop, index,
+                                         reasoning, tools, images=(prompt.tensors, prompt.arrays)))
+        group = RequestGroup(streams, queue)
         timeout = self.settings.request_timeout_s
         deadline = asyncio.get_running_loop().time() + timeout if timeout else None
         arrived = request.scope["state"].get("arrived", time.monotonic())

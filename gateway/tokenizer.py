@@ -13,8 +13,10 @@ import functools
 import hashlib
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 # transformers warns at import that PyTorch is missing; the gateway only
 # needs its tokenizers, so that warning is noise.
@@ -22,11 +24,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import numpy as np  # noqa: E402
 from jinja2 import TemplateError  # noqa: E402
+from transformers import AutoProcessor, AutoTokenizer  # noqa: E402
 
 from gateway.parsing import detect_reasoning, detect_tool_family  # noqa: E402
 from protocol import Tensor  # noqa: E402
 from protocol.codec import TENSOR_DTYPES  # noqa: E402
-from transformers import AutoProcessor, AutoTokenizer  # noqa: E402
 
 
 class PromptError(ValueError):
@@ -83,12 +85,15 @@ class Tokenizer:
         """The prompt text: messages (and tools) through the model's chat template."""
         if not self.has_chat_template:
             raise PromptError("this model has no chat template; use /v1/completions")
+        template_tools: list[dict[str, Any] | Callable[..., Any]] | None = list(tools) if tools else None
         try:
-            return self._tok.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+            text = self._tok.apply_chat_template(
+                messages, tools=template_tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
             )
         except TemplateError as e:
             raise PromptError(f"the model's chat template rejected these messages: {e}") from None
+        assert isinstance(text, str)  # tokenize=False
+        return text
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None,
                     template_kwargs: dict | None = None, images: list | None = None) -> Prompt:
@@ -98,6 +103,7 @@ class Tokenizer:
         text = self.render_chat(messages, tools, template_kwargs)
         if not images:
             return Prompt(text, self._tok.encode(text, add_special_tokens=False))
+        assert self.processor is not None, "images reach only a vision model's tokenizer"
         try:
             out = self.processor(text=[text], images=images, return_tensors="np", add_special_tokens=False)
         except (ValueError, TypeError) as e:
@@ -123,9 +129,9 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._rust is not None:
             return self._rust.decode(token_ids, skip_special_tokens=skip_special_tokens)
-        return self._tok.decode(
-            token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
-        )
+        text = self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+        assert isinstance(text, str)  # one sequence in, one text out
+        return text
 
     @functools.cached_property
     def tool_family(self) -> str:

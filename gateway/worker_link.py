@@ -34,13 +34,15 @@ import os
 import socket
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.auth.thread import ThreadAuthenticator
 
 from gateway.curve import secure_server
 from gateway.generation import Delta, RequestStream
@@ -60,6 +62,7 @@ from protocol import (
     ProtocolError,
     Refused,
     StepOutput,
+    ToWorker,
     Welcome,
     decode_from_worker,
     encode_frames,
@@ -150,7 +153,7 @@ class WorkerLink:
     ) -> None:
         self.endpoint = endpoint
         self._curve = (curve_secret_key, curve_authorized_keys)
-        self._authenticator = None
+        self._authenticator: ThreadAuthenticator | None = None
         self.worker_timeout_s = worker_timeout_s
         self.hung_worker_s = hung_worker_s
         self.worker_wait_s = worker_wait_s
@@ -290,9 +293,10 @@ class WorkerLink:
 
     # ---- the link itself ---------------------------------------------------
 
-    def _send(self, identity: bytes, message, buffers: list = ()) -> None:
+    def _send(self, identity: bytes, message: ToWorker, buffers: Sequence[Any] = ()) -> None:
         # Never blocks (no high-water mark): the send is done, or failed, on return.
-        sent = self._socket.send_multipart([identity, *encode_frames(message, buffers)], copy=False)
+        sent = cast(asyncio.Future[Any], self._socket.send_multipart([identity, *encode_frames(message, buffers)],
+                                                                     copy=False))
         if sent.done() and isinstance(error := sent.exception(), zmq.ZMQError):
             if error.errno != errno.EHOSTUNREACH:
                 raise error

@@ -15,8 +15,8 @@ from protocol.codec import (
 from protocol.messages import (
     EXIT_LOAD_FAILED,
     PROTOCOL_VERSION,
-    AddRequest,
     Abort,
+    AddRequest,
     AffinityReport,
     Draining,
     Error,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import msgspec
 
 from protocol.messages import AddRequest, FromWorker, Tensor, ToWorker
@@ -30,13 +33,13 @@ def tensor_nbytes(tensor: Tensor) -> int:
     return n
 
 
-def encode_frames(message: ToWorker, buffers: list = ()) -> list:
+def encode_frames(message: ToWorker, buffers: Sequence[Any] = ()) -> list[Any]:
     """A message and the raw buffers of its tensors, as the frames of one
     multipart ZeroMQ message. Buffers go as they are: no copy, no encoding."""
     return [encode(message), *buffers]
 
 
-def decode_to_worker(frames: list) -> tuple[ToWorker, list[memoryview]]:
+def decode_to_worker(frames: Sequence[Any]) -> tuple[ToWorker, list[memoryview]]:
     """A message and the buffers of its tensors, each checked against its
     declared shape and dtype."""
     try:
@@ -59,7 +62,8 @@ def decode_to_worker(frames: list) -> tuple[ToWorker, list[memoryview]]:
 
 def decode_from_worker(frame: bytes) -> FromWorker:
     try:
-        return _from_worker.decode(frame)
+        message: FromWorker = _from_worker.decode(frame)
+        return message
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ProtocolError(str(e)) from None
 

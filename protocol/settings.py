@@ -20,6 +20,12 @@ import msgspec.inspect as mi
 S = TypeVar("S", bound=msgspec.Struct)
 
 
+def _fields(settings_type: type[msgspec.Struct]) -> tuple[mi.Field, ...]:
+    info = mi.type_info(settings_type)
+    assert isinstance(info, mi.StructType)
+    return info.fields
+
+
 def _unwrap(t: mi.Type) -> tuple[mi.Type, str]:
     if isinstance(t, mi.Metadata):
         return t.type, (t.extra_json_schema or {}).get("description", "")
@@ -33,9 +39,9 @@ def flag_name(field: str) -> str:
 def env_name(field: str, settings_type: type[msgspec.Struct]) -> str:
     """MLXD_<FIELD>, unless the field's Meta(extra={"env": ...}) names another
     (a repeatable --api-key is read from MLXD_API_KEYS)."""
-    for f in mi.type_info(settings_type).fields:
+    for f in _fields(settings_type):
         if f.name == field and isinstance(f.type, mi.Metadata) and f.type.extra:
-            return f.type.extra.get("env", "MLXD_" + field.upper())
+            return str(f.type.extra.get("env", "MLXD_" + field.upper()))
     return "MLXD_" + field.upper()
 
 
@@ -43,7 +49,7 @@ def add_arguments(
     parser: argparse.ArgumentParser, settings_type: type[msgspec.Struct], exclude: frozenset[str] = frozenset()
 ) -> None:
     """Add one flag per settings field; unset flags stay None so env and defaults apply."""
-    for f in mi.type_info(settings_type).fields:
+    for f in _fields(settings_type):
         if f.name in exclude:
             continue
         t, description = _unwrap(f.type)
@@ -73,7 +79,7 @@ def resolve(
     Raises ValueError naming the flag and variable of a bad value.
     """
     raw: dict[str, Any] = {}
-    for f in mi.type_info(settings_type).fields:
+    for f in _fields(settings_type):
         value = getattr(args, f.name, None)
         variable = env_name(f.name, settings_type)
         if value is None and variable in environ:
@@ -116,7 +122,7 @@ def explicit_values(settings: msgspec.Struct) -> list[tuple[str, Any]]:
     """(field, value) for every setting that is not at its default."""
     return [
         (f.name, getattr(settings, f.name))
-        for f in mi.type_info(type(settings)).fields
+        for f in _fields(type(settings))
         if getattr(settings, f.name) != _default(f) and getattr(settings, f.name) is not None
     ]
 

@@ -144,3 +144,12 @@ def test_sdk_raises_typed_errors(client):
         client.messages.create(model="claude-opus", max_tokens=8, messages=MESSAGES)
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model=MODEL_NAME, max_tokens=8, messages=[])
+
+
+def test_tool_choice_none_renders_no_tools(client, reference):
+    """`none` has no disable_parallel_tool_use: it was read all the same, a 500 (found by mypy)."""
+    tool = {"name": "get_weather", "description": "Weather", "input_schema": {"type": "object", "properties": {}}}
+    expected = reference.greedy(reference.chat_prompt(MESSAGES), 12)
+    message = client.messages.create(model=MODEL_NAME, max_tokens=12, messages=MESSAGES, tools=[tool],
+                                     tool_choice={"type": "none"}, extra_body=GREEDY)
+    assert message.content[0].text == expected.text and message.stop_reason != "tool_use"

@@ -48,6 +48,6 @@ class AffinityAudit:
     def install(self) -> "AffinityAudit":
         mx.eval = self._wrap(mx.eval)
         mx.async_eval = self._wrap(mx.async_eval)
-        mx.array.item = self._wrap(mx.array.item)
-        mx.array.tolist = self._wrap(mx.array.tolist)
+        mx.array.item = self._wrap(mx.array.item)  # type: ignore[method-assign]
+        mx.array.tolist = self._wrap(mx.array.tolist)  # type: ignore[method-assign]
         return self

@@ -6,6 +6,7 @@ Runs on the worker's main thread only; every method may call into MLX.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -113,7 +114,7 @@ class Engine:
             if self.vision.image_token_id not in prompt or prompt[-1] == self.vision.image_token_id:
                 raise InvalidRequest("a request with images needs image placeholder tokens, and text after them")
 
-    def add(self, request: AddRequest, buffers: list[memoryview] = ()) -> None:
+    def add(self, request: AddRequest, buffers: Sequence[memoryview] = ()) -> None:
         """Queue a request; `buffers` hold its tensors' bytes (its images)."""
         self._check(request)
         s = request.sampling
@@ -137,25 +138,28 @@ class Engine:
             except GrammarError as e:
                 raise InvalidRequest(f"unusable grammar: {e}") from None
         prompt = request.prompt_token_ids
-        key = self.vision.cache_key(prompt, buffers) if request.tensors else prompt
+        vision = self.vision
+        key = vision.cache_key(prompt, buffers) if vision is not None and request.tensors else prompt
         cache, reused = self.prefix_cache.take(key) if self.prefix_cache else (None, 0)
         image_key = None
         rest, done = prompt[reused:], prompt[:reused]
-        if request.tensors:
+        if vision is not None and request.tensors:
             tensors = {t.name: np.frombuffer(b, dtype=t.dtype).reshape(t.shape)
                        for t, b in zip(request.tensors, buffers)}
             try:
-                cache = self.vision.prefill(prompt, tensors, cache, reused)
+                cache = vision.prefill(prompt, tensors, cache, reused)
             except (ValueError, TypeError, IndexError) as e:  # inputs this model cannot take
                 raise InvalidRequest(f"the vision model cannot take these inputs: {e}") from None
             rest, done = prompt[-1:], prompt[:-1]
             image_key = key
+        # None is mlx-lm's "none" for a cache and for a sampler (the batch's
+        # argmax) alike, though its type hints do not say so.
         (uid,) = self._generator.insert(
             [rest],
-            caches=[cache],
+            caches=[cache],  # type: ignore[list-item]
             all_tokens=[done],
             max_tokens=[max_tokens],
-            samplers=[make_sampler(s, self.vocab_size)],
+            samplers=[make_sampler(s, self.vocab_size)],  # type: ignore[list-item]
             logits_processors=[processors],
             stop_sequences=[StopSequences([[t] for t in stop_ids])],
         )
@@ -169,8 +173,9 @@ class Engine:
         if not dropped:
             return
         caches = self._generator.remove([r.uid for r in dropped], return_prompt_caches=self.prefix_cache is not None)
-        for uid, (cache, tokens) in caches.items():
-            self.prefix_cache.keep(self._cache_key(self._by_uid[uid], tokens), cache)
+        if self.prefix_cache is not None:
+            for uid, (cache, tokens) in caches.items():
+                self.prefix_cache.keep(self._cache_key(self._by_uid[uid], tokens), cache)
         for admitted in dropped:
             del self._by_uid[admitted.uid]
 

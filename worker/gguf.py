@@ -15,6 +15,7 @@ import shutil
 import tempfile
 from collections import Counter
 from pathlib import Path
+from typing import Any, cast
 
 import mlx.core as mx
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -84,7 +85,8 @@ def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict]:
         if f.read(4) != GGUF_MAGIC:
             raise GGUFError(f"{path} is not a GGUF file (no GGUF magic number)")
     try:
-        weights, metadata = mx.load(str(path), return_metadata=True)
+        # With return_metadata, mx.load returns (arrays, metadata), which its stub does not say.
+        weights, metadata = cast(tuple[dict[str, mx.array], dict[str, Any]], mx.load(str(path), return_metadata=True))
     except Exception as e:  # mlx raises plain RuntimeError/ValueError for broken files
         raise GGUFError(f"{path} cannot be read (truncated or corrupt?): {e}") from None
     architecture = metadata.get("general.architecture")
@@ -168,8 +170,9 @@ def build_tokenizer(metadata: dict) -> tuple[Tokenizer, dict]:
         raise GGUFError(f"pre-tokenizer {pre!r} is not supported (known: {', '.join(sorted(PRE_TOKENIZERS))})")
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
-    types = metadata.get("tokenizer.ggml.token_type")
-    types = types.tolist() if isinstance(types, mx.array) else list(types or [])
+    raw_types = metadata.get("tokenizer.ggml.token_type")
+    types = raw_types.tolist() if isinstance(raw_types, mx.array) else list(raw_types or [])
+    assert isinstance(types, list)
 
     tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
@@ -186,9 +189,10 @@ def build_tokenizer(metadata: dict) -> tuple[Tokenizer, dict]:
         i = _scalar(metadata, f"tokenizer.ggml.{key}_token_id")
         return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
-    add_bos = bool(_scalar(metadata, "tokenizer.ggml.add_bos_token", False)) and token("bos") is not None
+    bos = token("bos")
+    add_bos = bos is not None and bool(_scalar(metadata, "tokenizer.ggml.add_bos_token", False))
     if add_bos:
-        bos = token("bos")
+        assert bos is not None
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))]
         )

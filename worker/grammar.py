@@ -8,10 +8,12 @@ allows next. llguidance rather than xgrammar: xgrammar requires PyTorch.
 
 from __future__ import annotations
 
-import numpy as np
+from typing import cast
+
 import llguidance
 import llguidance.hf
 import mlx.core as mx
+import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 
@@ -51,7 +53,7 @@ class GrammarProcessor:
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self._started:
             # The last token of the context is the one sampled at the previous step.
-            self._matcher.consume_token(tokens[-1].item())
+            self._matcher.consume_token(cast(int, tokens[-1].item()))
         self._started = True
         fill_next_token_bitmask(self._matcher, self._bitmask, 0)
         allowed = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: logits.shape[-1]]

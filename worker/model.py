@@ -71,6 +71,7 @@ def dequantize_for_cpu(model: nn.Module) -> int:
     for name, module in model.named_modules():
         if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             # float32 scales make the dequantization itself several times faster on the CPU.
+            assert module.biases is not None  # affine quantization, as GGUF's and mlx-lm's
             weight = mx.dequantize(
                 module.weight,
                 module.scales.astype(mx.float32),
@@ -78,6 +79,7 @@ def dequantize_for_cpu(model: nn.Module) -> int:
                 module.group_size,
                 module.bits,
             )
+            plain: nn.Module
             if isinstance(module, nn.QuantizedEmbedding):
                 plain = nn.Embedding(*weight.shape)
             else:
@@ -141,7 +143,7 @@ def _load(path: Path, name: str, context_length: int | None, cpu_dequantize: boo
         model, image_token_id = load_vision_model(path)
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     else:
-        model, tokenizer = mlx_lm_load(str(path))
+        model, tokenizer = mlx_lm_load(str(path))[:2]
     shared_files = TOKENIZER_FILE_NAMES | (PROCESSOR_FILE_NAMES if image_token_id is not None else set())
     dequantized = 0
     if cpu_dequantize and mx.default_device() == mx.cpu:

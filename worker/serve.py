@@ -34,20 +34,21 @@ from protocol import (
     ProtocolError,
     Refused,
     StepOutput,
+    ToWorker,
     Welcome,
     decode_to_worker,
     encode,
 )
+from protocol.worker_settings import WorkerSettings
 from worker.audit import AffinityAudit
 from worker.engine import Engine, InvalidRequest
 from worker.grammar import Grammars
 from worker.heartbeat import HeartbeatThread
-from worker.prefix_cache import PrefixCache
-from worker.transport import TransportError, connect
 from worker.model import load_model
 from worker.model_source import ModelNotFound
+from worker.prefix_cache import PrefixCache
+from worker.transport import TransportError, connect
 from worker.vision import VisionPrefill
-from protocol.worker_settings import WorkerSettings
 
 log = logging.getLogger("mlxd.worker")
 
@@ -85,7 +86,7 @@ class Worker:
     def receive(self, timeout_ms: int) -> list:
         """Every message waiting now, each with the buffers of its tensors
         (an AddRequest's images), blocking up to timeout_ms for the first."""
-        messages = []
+        messages: list[tuple[ToWorker, list[memoryview]]] = []
         if not self.socket.poll(timeout_ms):
             return messages
         while True:

@@ -13,6 +13,7 @@ tower: the batch runs the language model alone.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
@@ -71,7 +72,7 @@ class LanguageModel(nn.Module):
         return getattr(out, "logits", out)
 
 
-def images_key(buffers: list[memoryview]) -> int:
+def images_key(buffers: Sequence[memoryview]) -> int:
     """A stand-in token for every image placeholder position in prefix-cache
     keys: negative (no real token id is), and derived from the bytes of the
     request's tensors, so prompts with the same text but other images never
@@ -90,7 +91,7 @@ class VisionPrefill:
         self.image_token_id = image_token_id
         self.step_size = step_size
 
-    def cache_key(self, prompt: list[int], buffers: list[memoryview]) -> list[int]:
+    def cache_key(self, prompt: list[int], buffers: Sequence[memoryview]) -> list[int]:
         key = images_key(buffers)
         return [key if t == self.image_token_id else t for t in prompt]
 
