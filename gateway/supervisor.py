@@ -7,8 +7,8 @@ at the slowest pace rather than spun. A worker the link reports hung is killed,
 and so restarted. A first worker that cannot load its model ends `mlxd serve`
 with the reason (on_fatal): retrying would only fail the same way.
 
-The worker runs in a session of its own, so a Ctrl-C in the terminal reaches
-the gateway alone, which lets open streams finish, then stops the worker.
+The worker runs in a process group of its own, so a Ctrl-C in the terminal
+reaches the gateway alone, which lets open streams finish, then stops the worker.
 """
 
 from __future__ import annotations
@@ -73,7 +73,10 @@ class WorkerSupervisor:
         backoff = INITIAL_BACKOFF_S
         while not self._stopping:
             started = time.monotonic()
-            self.process = await asyncio.create_subprocess_exec(*self.argv, start_new_session=True)
+            # A process group of its own, in the same session: a terminal's
+            # Ctrl-C goes to the foreground group only, while the scheduler
+            # (Linux autogroups are per session) weighs it as before.
+            self.process = await asyncio.create_subprocess_exec(*self.argv, process_group=0)
             log.info("started worker pid %d", self.process.pid)
             status = await self.process.wait()
             self.link.worker_process_exited(self.process.pid, status)

@@ -69,6 +69,9 @@ class Engine:
         )
         self._requests: dict[str, Admitted] = {}
         self._by_uid: dict[int, Admitted] = {}
+        # Read by the heartbeat thread: a plain counter, never an iteration
+        # over a dict the main thread is changing.
+        self.waiting = 0
 
     @property
     def has_work(self) -> bool:
@@ -77,10 +80,6 @@ class Engine:
     @property
     def running(self) -> int:
         return len(self._requests) - self.waiting
-
-    @property
-    def waiting(self) -> int:
-        return sum(r.waiting for r in self._requests.values())
 
     def _check(self, request: AddRequest) -> None:
         if request.request_id in self._requests:
@@ -166,6 +165,7 @@ class Engine:
         admitted = Admitted(request.request_id, uid, s.logprobs, reused, image_key)
         self._requests[request.request_id] = admitted
         self._by_uid[uid] = admitted
+        self.waiting += 1
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop requests; unknown or finished ids are ignored (aborts are idempotent)."""
@@ -178,6 +178,7 @@ class Engine:
                 self.prefix_cache.keep(self._cache_key(self._by_uid[uid], tokens), cache)
         for admitted in dropped:
             del self._by_uid[admitted.uid]
+            self._started(admitted)
 
     def abort_all(self) -> list[str]:
         ids = list(self._requests)
@@ -187,6 +188,12 @@ class Engine:
     def _finish(self, admitted: Admitted) -> None:
         del self._requests[admitted.request_id]
         del self._by_uid[admitted.uid]
+
+    def _started(self, admitted: Admitted) -> None:
+        """It is prefilled (or gone): no longer waiting."""
+        if admitted.waiting:
+            admitted.waiting = False
+            self.waiting -= 1
 
     @staticmethod
     def _cache_key(admitted: Admitted, tokens: list[int]) -> list[int]:
@@ -200,12 +207,12 @@ class Engine:
         prompt_responses, generation_responses = self._generator.next()
         self.steps += 1
         for r in prompt_responses:
-            self._by_uid[r.uid].waiting = False
+            self._started(self._by_uid[r.uid])
         outputs = []
         wanted = []
         for r in generation_responses:
             admitted = self._by_uid[r.uid]
-            admitted.waiting = False
+            self._started(admitted)
             outputs.append(RequestOutput(admitted.request_id, [r.token], r.finish_reason,
                                          cached_tokens=admitted.cached_tokens))
             admitted.cached_tokens = None  # reported once, on the first output
