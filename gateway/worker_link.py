@@ -4,15 +4,8 @@ The gateway binds a ROUTER socket; each worker connects a DEALER whose
 identity carries its epoch (its heartbeat thread connects another), so
 messages from a worker that has been replaced are recognised and ignored.
 
-The worker is, at any moment, one of:
-  ready         heartbeats arrive and its step counter moves when it has work
-  draining      it announced it is stopping; new requests wait for the next one
-  unresponsive  no heartbeat for --worker-timeout-s (frozen, or gone silently)
-  hung          heartbeats arrive but the step counter has not moved for
-                --hung-worker-s while requests are running
-An unresponsive worker that beats again is ready again, its requests intact.
-One unresponsive or hung for a further --hung-worker-s is given up on (and
-under `mlxd serve`, killed and restarted).
+The worker is ready, draining, unresponsive or hung (gateway/liveness.py);
+one given up on is killed under `mlxd serve` and treated as lost.
 A worker that is gone (Goodbye, process exit, its ipc connection closed, or
 replaced by a newer one) leaves its unfinished requests to be resumed on the
 next worker serving the same weights (Hello.model_digest): the prompt plus the
@@ -46,6 +39,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from gateway.curve import secure_server
 from gateway.generation import Delta, RequestStream
+from gateway.liveness import UNHEALTHY, Liveness, Vitals
 from gateway.sampling_defaults import SamplingDefaults, sampling_defaults
 from gateway.tokenizer import Tokenizer, files_digest
 from protocol import (
@@ -90,19 +84,11 @@ class WorkerState:
     hello: Hello
     tokenizer: Tokenizer
     accepted_at: float
-    last_beat: float
-    last_progress: float  # when the step counter last moved (or the worker was idle)
+    vitals: Vitals
     sampling: SamplingDefaults  # for requests that leave sampling parameters out
-    state: str = "ready"
-    bad_since: float | None = None
-    reported_unhealthy: bool = False
-    steps: int = 0
-    running: int = 0
     waiting: int = 0
     affinity: AffinityReport | None = None
     prefix_cache: PrefixCacheStats | None = None
-    draining: bool = False
-    disconnected: bool = False  # its tcp connection dropped; until it beats again
 
 
 @dataclass
@@ -260,7 +246,7 @@ class WorkerLink:
 
     def status(self) -> dict:
         w = self.worker
-        state: dict = {"ready": self.ready, "state": w.state if w else "absent"}
+        state: dict[str, Any] = {"ready": self.ready, "state": w.vitals.state.value if w else "absent"}
         if w is not None:
             now = time.monotonic()
             state.update(
@@ -270,10 +256,10 @@ class WorkerLink:
                 context_length=w.hello.context_length,
                 capacity=w.hello.capacity,
                 sampling_defaults=msgspec.structs.asdict(w.sampling),
-                running=w.running,
+                running=w.vitals.running,
                 waiting=w.waiting,
-                steps=w.steps,
-                last_heartbeat_s=round(now - w.last_beat, 3),
+                steps=w.vitals.steps,
+                last_heartbeat_s=round(now - w.vitals.last_beat, 3),
                 up_s=round(now - w.accepted_at, 1),
             )
             if w.prefix_cache is not None:
@@ -340,7 +326,7 @@ class WorkerLink:
             elif isinstance(message, Error):
                 self._on_error(message)
             elif isinstance(message, Draining):
-                w.draining = True
+                w.vitals.draining = True
                 self._assess(w)
             elif isinstance(message, Goodbye):
                 self._lose_worker(f"it said goodbye ({message.reason})", handed_back=set(message.handed_back))
@@ -383,7 +369,8 @@ class WorkerLink:
         now = time.monotonic()
         self.load_failure = None
         self.stats.workers_accepted += 1
-        self.worker = WorkerState(identity, hello, tokenizer, accepted_at=now, last_beat=now, last_progress=now,
+        vitals = Vitals(self.worker_timeout_s, self.hung_worker_s, last_beat=now, last_progress=now)
+        self.worker = WorkerState(identity, hello, tokenizer, accepted_at=now, vitals=vitals,
                                   sampling=sampling_defaults(hello.tokenizer_files))
         self._send(identity, Welcome(hello.epoch))
         self._ready.set()
@@ -417,48 +404,29 @@ class WorkerLink:
             log.info("resumed %d requests on worker pid %d", resumed, w.hello.pid)
 
     def _on_heartbeat(self, w: WorkerState, beat: Heartbeat) -> None:
-        now = time.monotonic()
-        w.last_beat = now
-        w.disconnected = False
-        if beat.step != w.steps or beat.running == 0:
-            w.last_progress = now
-        w.steps, w.running, w.waiting, w.affinity = beat.step, beat.running, beat.waiting, beat.affinity
-        w.prefix_cache = beat.prefix_cache
+        w.vitals.beat(time.monotonic(), beat.step, beat.running)
+        w.waiting, w.affinity, w.prefix_cache = beat.waiting, beat.affinity, beat.prefix_cache
         self._assess(w)
 
     def _assess(self, w: WorkerState) -> None:
-        """Work out the worker's state; act on a change."""
-        now = time.monotonic()
-        if w.draining:
-            state = "draining"
-        elif w.disconnected or now - w.last_beat > self.worker_timeout_s:
-            state = "unresponsive"
-        elif w.running > 0 and now - w.last_progress > self.hung_worker_s:
-            state = "hung"
-        else:
-            state = "ready"
-        if state != w.state:
-            level = logging.INFO if state in ("ready", "draining") else logging.WARNING
-            log.log(level, "worker pid %d: %s -> %s", w.hello.pid, w.state, state)
-            w.state = state
-            w.bad_since = now if state in ("unresponsive", "hung") else None
-            w.reported_unhealthy = False
-        if state == "ready":
+        """Act on what the worker's vitals say: log a change, set readiness,
+        kill a hung worker, give up on one unhealthy too long."""
+        verdict = w.vitals.assess(time.monotonic())
+        if verdict.changed:
+            level = logging.WARNING if verdict.state in UNHEALTHY else logging.INFO
+            log.log(level, "worker pid %d: %s -> %s", w.hello.pid, verdict.previous.value, verdict.state.value)
+        if verdict.state == Liveness.READY:
             self._ready.set()
         else:
             self._ready.clear()
-        unhealthy_for = now - w.bad_since if w.bad_since is not None else 0.0
-        if state == "hung" and not w.reported_unhealthy:
-            w.reported_unhealthy = True
+        if verdict.kill and verdict.state == Liveness.HUNG:
             log.error("worker pid %d is hung: no step for %gs with requests running", w.hello.pid, self.hung_worker_s)
-            if self.on_unhealthy is not None:
-                self.on_unhealthy(w.hello.pid)
-        if unhealthy_for > self.hung_worker_s:
-            # Given up on: its requests move on to the next worker (or fail
-            # after --worker-wait-s) rather than wait for it forever.
-            if self.on_unhealthy is not None and not w.reported_unhealthy:
-                self.on_unhealthy(w.hello.pid)
-            self._lose_worker(f"{state} for {unhealthy_for:.0f}s", handed_back=set())
+        if verdict.kill and self.on_unhealthy is not None:
+            self.on_unhealthy(w.hello.pid)
+        if verdict.give_up:
+            # Its requests move on to the next worker (or fail after
+            # --worker-wait-s) rather than wait for it forever.
+            self._lose_worker(f"{verdict.state.value} for {verdict.unhealthy_for:.0f}s", handed_back=set())
 
     def _on_disconnect(self, identity: bytes) -> None:
         """A peer's connection closed. Over ipc the worker process is gone (a
@@ -470,7 +438,7 @@ class WorkerLink:
         if self.endpoint.startswith("ipc://"):
             self._lose_worker("its connection closed", handed_back=set())
         else:
-            w.disconnected = True
+            w.vitals.disconnected = True
             self._assess(w)
 
     def worker_process_exited(self, pid: int, status: int | None) -> None:

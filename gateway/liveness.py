@@ -1,0 +1,91 @@
+"""Whether a worker is alive and making progress: one state machine over an enum.
+
+  ready         heartbeats arrive and its step counter moves when it has work
+  draining      it announced it is stopping; new requests wait for the next one
+  unresponsive  no heartbeat for --worker-timeout-s (frozen, or gone silently),
+                or its tcp connection dropped (until it beats again)
+  hung          heartbeats arrive but the step counter has not moved for
+                --hung-worker-s while requests are running
+
+An unresponsive or hung worker that recovers is ready again. One that stays
+unresponsive or hung for a further --hung-worker-s is given up on.
+
+Pure: the caller passes the time in and acts on the Verdict (logs, readiness,
+killing, losing the worker), so every transition is unit-tested without a
+socket or a clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Liveness(enum.Enum):
+    READY = "ready"
+    DRAINING = "draining"
+    UNRESPONSIVE = "unresponsive"
+    HUNG = "hung"
+
+
+UNHEALTHY = (Liveness.UNRESPONSIVE, Liveness.HUNG)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What one assessment found, and what is to be done about it."""
+
+    state: Liveness
+    previous: Liveness  # differs from state on a transition
+    kill: bool = False  # first found hung, or given up on: stop its process if we can (once)
+    give_up: bool = False  # unhealthy too long: the worker is to be treated as lost
+    unhealthy_for: float = 0.0
+
+    @property
+    def changed(self) -> bool:
+        return self.state != self.previous
+
+
+@dataclass(slots=True)
+class Vitals:
+    """What the gateway knows of one worker's liveness."""
+
+    worker_timeout_s: float
+    hung_worker_s: float
+    last_beat: float
+    last_progress: float  # when the step counter last moved (or the worker was idle)
+    steps: int = 0
+    running: int = 0
+    draining: bool = False
+    disconnected: bool = False
+    state: Liveness = Liveness.READY
+    _bad_since: float | None = None
+    _reported: bool = False
+
+    def beat(self, now: float, steps: int, running: int) -> None:
+        """A heartbeat with the worker's step counter and running requests."""
+        self.last_beat = now
+        self.disconnected = False
+        if steps != self.steps or running == 0:
+            self.last_progress = now
+        self.steps, self.running = steps, running
+
+    def assess(self, now: float) -> Verdict:
+        if self.draining:
+            state = Liveness.DRAINING
+        elif self.disconnected or now - self.last_beat > self.worker_timeout_s:
+            state = Liveness.UNRESPONSIVE
+        elif self.running > 0 and now - self.last_progress > self.hung_worker_s:
+            state = Liveness.HUNG
+        else:
+            state = Liveness.READY
+        previous = self.state
+        if state != previous:
+            self.state = state
+            self._bad_since = now if state in UNHEALTHY else None
+            self._reported = False
+        unhealthy_for = now - self._bad_since if self._bad_since is not None else 0.0
+        give_up = unhealthy_for > self.hung_worker_s
+        kill = (state == Liveness.HUNG or give_up) and not self._reported
+        self._reported = self._reported or kill
+        return Verdict(state, previous, kill, give_up, unhealthy_for)

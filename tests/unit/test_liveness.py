@@ -1,0 +1,66 @@
+from gateway.liveness import Liveness, Vitals
+
+TIMEOUT, HUNG = 5.0, 60.0
+
+
+def vitals(now: float = 0.0) -> Vitals:
+    return Vitals(worker_timeout_s=TIMEOUT, hung_worker_s=HUNG, last_beat=now, last_progress=now)
+
+
+def test_beating_and_stepping_is_ready():
+    v = vitals()
+    for t in range(1, 100):
+        v.beat(float(t), steps=t, running=3)
+        verdict = v.assess(float(t))
+        assert verdict.state == Liveness.READY and not verdict.changed and not verdict.kill
+
+
+def test_no_heartbeat_past_the_timeout_is_unresponsive_then_ready_again():
+    v = vitals()
+    assert v.assess(TIMEOUT + 0.1).state == Liveness.UNRESPONSIVE
+    v.beat(TIMEOUT + 1, steps=0, running=0)
+    verdict = v.assess(TIMEOUT + 1)
+    assert verdict.state == Liveness.READY and verdict.changed and verdict.previous == Liveness.UNRESPONSIVE
+
+
+def test_an_idle_worker_with_a_still_counter_is_not_hung():
+    v = vitals()
+    for t in range(1, 200):
+        v.beat(float(t), steps=0, running=0)
+    assert v.assess(199.0).state == Liveness.READY
+
+
+def test_a_still_counter_with_requests_running_is_hung_and_killed_once():
+    v = vitals()
+    v.beat(1.0, steps=5, running=2)
+    for t in range(2, 62):
+        v.beat(float(t), steps=5, running=2)
+        assert v.assess(float(t)).state == Liveness.READY
+    v.beat(62.0, steps=5, running=2)
+    verdict = v.assess(62.0)
+    assert verdict.state == Liveness.HUNG and verdict.changed and verdict.kill and not verdict.give_up
+    v.beat(63.0, steps=5, running=2)
+    assert not v.assess(63.0).kill  # reported once
+
+
+def test_unhealthy_for_too_long_is_given_up_on():
+    v = vitals()
+    v.assess(TIMEOUT + 1)
+    verdict = v.assess(TIMEOUT + 1 + HUNG + 0.5)
+    assert verdict.state == Liveness.UNRESPONSIVE and verdict.give_up and verdict.kill
+    assert verdict.unhealthy_for > HUNG
+
+
+def test_a_dropped_connection_is_unresponsive_until_the_next_beat():
+    v = vitals()
+    v.disconnected = True
+    assert v.assess(0.1).state == Liveness.UNRESPONSIVE
+    v.beat(0.2, steps=0, running=0)
+    assert v.assess(0.2).state == Liveness.READY
+
+
+def test_draining_wins_over_everything():
+    v = vitals()
+    v.draining = True
+    assert v.assess(TIMEOUT * 10).state == Liveness.DRAINING
+    assert not v.assess(TIMEOUT * 100).give_up
