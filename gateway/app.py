@@ -25,7 +25,8 @@ from gateway.security import Guard, KeyRing, check_bind_policy, keys_required
 from gateway.serving import Serving
 from gateway.settings import GatewaySettings
 from gateway.supervisor import WorkerSupervisor
-from gateway.worker_link import EndpointInUse, WorkerLink
+from gateway.transport import EndpointInUse
+from gateway.worker_link import WorkerLink
 from protocol.worker_settings import WorkerSettings, announced_name
 
 log = logging.getLogger("mlxd.gateway")

@@ -1,8 +1,8 @@
-"""The gateway's end of the ZeroMQ link: handshake, dispatch, worker liveness.
+"""The gateway's side of the worker protocol: handshake, dispatch, resuming.
 
-The gateway binds a ROUTER socket; each worker connects a DEALER whose
-identity carries its epoch (its heartbeat thread connects another), so
-messages from a worker that has been replaced are recognised and ignored.
+Over the transport (gateway/transport.py), each worker's identity carries its
+epoch, so messages from a worker that has been replaced are recognised and
+ignored.
 
 The worker is ready, draining, unresponsive or hung (gateway/liveness.py);
 one given up on is killed under `mlxd serve` and treated as lost.
@@ -21,27 +21,19 @@ carrying it at once.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
-import os
-import socket
-import stat
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import msgspec
-import zmq
-import zmq.asyncio
-from zmq.auth.thread import ThreadAuthenticator
 
-from gateway.curve import secure_server
 from gateway.generation import Delta, RequestStream
 from gateway.liveness import UNHEALTHY, Liveness, Vitals
 from gateway.sampling_defaults import SamplingDefaults, sampling_defaults
 from gateway.tokenizer import Tokenizer, files_digest
+from gateway.transport import Transport
 from protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -59,7 +51,6 @@ from protocol import (
     ToWorker,
     Welcome,
     decode_from_worker,
-    encode_frames,
     hello_version,
 )
 
@@ -72,10 +63,6 @@ WATCHDOG_INTERVAL_S = 0.1
 
 class WorkerUnavailable(Exception):
     pass
-
-
-class EndpointInUse(Exception):
-    """Another gateway already listens on the worker endpoint."""
 
 
 @dataclass
@@ -99,32 +86,6 @@ class LinkStats:
     requests_failed_by_loss: int = 0
 
 
-def ipc_listener_alive(path: str) -> bool:
-    """Whether something accepts connections on this Unix socket. ZeroMQ
-    would silently take over the path of a live one (a second gateway would
-    steal the first one's workers); a stale file left by a crash is fine."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except OSError:
-        return False
-    finally:
-        probe.close()
-    return True
-
-
-def ensure_private_dir(path: Path) -> None:
-    """Create `path` 0700, refusing one that is a symlink, not ours, or open to others."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise RuntimeError(f"{path} is not a plain directory; refusing to put the worker socket there")
-    if st.st_uid != os.getuid():
-        raise RuntimeError(f"{path} belongs to uid {st.st_uid}, not to this user")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)
-
-
 class WorkerLink:
     def __init__(
         self,
@@ -137,9 +98,7 @@ class WorkerLink:
         curve_authorized_keys: str | None = None,
         on_unhealthy: Callable[[int], None] | None = None,
     ) -> None:
-        self.endpoint = endpoint
-        self._curve = (curve_secret_key, curve_authorized_keys)
-        self._authenticator: ThreadAuthenticator | None = None
+        self.transport = Transport(endpoint, curve_secret_key, curve_authorized_keys)
         self.worker_timeout_s = worker_timeout_s
         self.hung_worker_s = hung_worker_s
         self.worker_wait_s = worker_wait_s
@@ -153,36 +112,11 @@ class WorkerLink:
         self.requests: dict[str, RequestStream] = {}  # every unfinished request
         self._resume_by: dict[str, float] = {}  # request id -> deadline to get a worker
         self._ready = asyncio.Event()
-        self._context = zmq.asyncio.Context()
-        self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        # A ROUTER silently drops what exceeds its high-water mark; nothing
-        # here may be dropped, so there is none.
-        self._socket.setsockopt(zmq.SNDHWM, 0)
-        self._socket.setsockopt(zmq.RCVHWM, 0)
-        # A send to a peer whose connection is gone fails (EHOSTUNREACH)
-        # instead of vanishing: that is how a closed connection is tied to
-        # its worker (see _watch_connections).
-        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._tasks: list[asyncio.Task] = []
 
     def bind(self) -> None:
-        """Take the endpoint, before serving. Raises EndpointInUse if another
-        gateway has it, RuntimeError for an unsafe socket directory."""
-        if self.endpoint.startswith("ipc://"):
-            path = self.endpoint[len("ipc://") :]
-            ensure_private_dir(Path(path).parent)
-            if ipc_listener_alive(path):
-                raise EndpointInUse(f"another gateway is already listening on {self.endpoint}")
-        elif self.endpoint.startswith("tcp://"):
-            self._authenticator = secure_server(self._context, self._socket, *self._curve)
-        try:
-            self._socket.bind(self.endpoint)
-        except zmq.ZMQError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise EndpointInUse(f"{self.endpoint} is already in use") from None
-            raise
+        """Take the endpoint (see Transport.bind)."""
+        self.transport.bind()
 
     async def start(self) -> None:
         self._tasks = [
@@ -190,19 +124,14 @@ class WorkerLink:
             asyncio.create_task(self._watchdog(), name="mlxd-link-watchdog"),
             asyncio.create_task(self._watch_connections(), name="mlxd-link-connections"),
         ]
-        log.info("waiting for a worker on %s", self.endpoint)
+        log.info("waiting for a worker on %s", self.transport.endpoint)
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.end_all("the gateway is shutting down")
-        if self._authenticator is not None:
-            self._authenticator.stop()
-        self._socket.disable_monitor()
-        self._monitor.close()
-        self._socket.close()
-        self._context.term()
+        self.transport.close()
 
     # ---- used by the HTTP handlers -----------------------------------------
 
@@ -280,12 +209,7 @@ class WorkerLink:
     # ---- the link itself ---------------------------------------------------
 
     def _send(self, identity: bytes, message: ToWorker, buffers: Sequence[Any] = ()) -> None:
-        # Never blocks (no high-water mark): the send is done, or failed, on return.
-        sent = cast(asyncio.Future[Any], self._socket.send_multipart([identity, *encode_frames(message, buffers)],
-                                                                     copy=False))
-        if sent.done() and isinstance(error := sent.exception(), zmq.ZMQError):
-            if error.errno != errno.EHOSTUNREACH:
-                raise error
+        if not self.transport.send(identity, message, buffers):
             # Acted on after the caller is done with its own bookkeeping.
             asyncio.get_running_loop().call_soon(self._on_disconnect, identity)
 
@@ -293,7 +217,7 @@ class WorkerLink:
         """When a connection closes, find out whether it was the worker's by
         sending it a Welcome it already has (ignored by a live worker)."""
         while True:
-            await self._monitor.recv_multipart()
+            await self.transport.closed_connection()
             for delay in (0.0, 0.05):  # the socket may learn of the closed pipe a moment after the event
                 await asyncio.sleep(delay)
                 if self.worker is not None:
@@ -301,7 +225,7 @@ class WorkerLink:
 
     async def _receive_loop(self) -> None:
         while True:
-            identity, frame = await self._socket.recv_multipart()
+            identity, frame = await self.transport.receive()
             try:
                 message = decode_from_worker(frame)
             except ProtocolError as e:
@@ -435,7 +359,7 @@ class WorkerLink:
         w = self.worker
         if w is None or identity != w.identity:
             return
-        if self.endpoint.startswith("ipc://"):
+        if self.transport.ipc:
             self._lose_worker("its connection closed", handed_back=set())
         else:
             w.vitals.disconnected = True

@@ -1,0 +1,128 @@
+"""The gateway's ZeroMQ end of the worker link: one ROUTER socket, its frames in
+and out, and word of connections that close.
+
+The gateway binds; workers connect a DEALER each (plus one for their heartbeat
+thread), whose identity names the worker. An ipc endpoint lives in a private
+(0700) directory and is refused while another gateway listens on it; a tcp
+endpoint needs CURVE (gateway/curve.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import socket
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import zmq
+import zmq.asyncio
+from zmq.auth.thread import ThreadAuthenticator
+
+from gateway.curve import secure_server
+from protocol import ToWorker, encode_frames
+
+
+class EndpointInUse(Exception):
+    """Another gateway already listens on the worker endpoint."""
+
+
+def ipc_listener_alive(path: str) -> bool:
+    """Whether something accepts connections on this Unix socket. ZeroMQ
+    would silently take over the path of a live one (a second gateway would
+    steal the first one's workers); a stale file left by a crash is fine."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def ensure_private_dir(path: Path) -> None:
+    """Create `path` 0700, refusing one that is a symlink, not ours, or open to others."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise RuntimeError(f"{path} is not a plain directory; refusing to put the worker socket there")
+    if st.st_uid != os.getuid():
+        raise RuntimeError(f"{path} belongs to uid {st.st_uid}, not to this user")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+
+
+class Transport:
+    def __init__(self, endpoint: str, curve_secret_key: str | None = None,
+                 curve_authorized_keys: str | None = None) -> None:
+        self.endpoint = endpoint
+        self._curve = (curve_secret_key, curve_authorized_keys)
+        self._authenticator: ThreadAuthenticator | None = None
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        # A ROUTER silently drops what exceeds its high-water mark; nothing
+        # here may be dropped, so there is none.
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        # A send to a peer whose connection is gone fails (EHOSTUNREACH)
+        # instead of vanishing: that is how a closed connection is tied to
+        # its worker (see closed_connection).
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+    @property
+    def ipc(self) -> bool:
+        return self.endpoint.startswith("ipc://")
+
+    def bind(self) -> None:
+        """Take the endpoint, before serving. Raises EndpointInUse if another
+        gateway has it, RuntimeError for an unsafe socket directory, CurveError
+        for tcp without usable keys."""
+        if self.ipc:
+            path = self.endpoint[len("ipc://") :]
+            ensure_private_dir(Path(path).parent)
+            if ipc_listener_alive(path):
+                raise EndpointInUse(f"another gateway is already listening on {self.endpoint}")
+        elif self.endpoint.startswith("tcp://"):
+            self._authenticator = secure_server(self._context, self._socket, *self._curve)
+        try:
+            self._socket.bind(self.endpoint)
+        except zmq.ZMQError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise EndpointInUse(f"{self.endpoint} is already in use") from None
+            raise
+
+    def send(self, identity: bytes, message: ToWorker, buffers: Sequence[Any] = ()) -> bool:
+        """Send a message (and its tensors' buffers); False when the peer's
+        connection is gone. Never blocks (no high-water mark): the send is
+        done, or failed, on return."""
+        sent = cast(asyncio.Future[Any], self._socket.send_multipart([identity, *encode_frames(message, buffers)],
+                                                                     copy=False))
+        if sent.done() and isinstance(error := sent.exception(), zmq.ZMQError):
+            if error.errno != errno.EHOSTUNREACH:
+                raise error
+            return False
+        return True
+
+    async def receive(self) -> tuple[bytes, bytes]:
+        """The next (identity, frame) from a worker."""
+        identity, frame = await self._socket.recv_multipart()
+        return identity, frame
+
+    async def closed_connection(self) -> None:
+        """Returns when a worker's connection closes. Which one it was, ZeroMQ
+        does not say: a send to it then fails (see send)."""
+        await self._monitor.recv_multipart()
+
+    def close(self) -> None:
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        self._socket.disable_monitor()
+        self._monitor.close()
+        self._socket.close()
+        self._context.term()
