@@ -119,8 +119,11 @@ def model_digest(path: Path) -> str:
     for f in files:
         with open(f, "rb") as data:
             digest.update(f.name.encode() + b"\0" + hashlib.file_digest(data, "sha256").digest())
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    cached.write_text(digest.hexdigest())
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_text(digest.hexdigest())
+    except OSError as e:  # a read-only cache costs the next start a rehash, nothing more
+        log.warning("could not keep the model digest in %s: %s", cached.parent, e)
     return digest.hexdigest()
 
 
