@@ -34,6 +34,7 @@ from gateway.anthropic_schema import (
 )
 from gateway.errors import APIError, anthropic_error_body, decode_body
 from gateway.images import ImageSource
+from gateway.json_response import MsgspecResponse
 from gateway.parsing import ToolCall, stream_parsers
 from gateway.serving import EventStream, Generation, Serving, collect
 from gateway.structured import forced_tool_call_grammar, named_tool
@@ -116,7 +117,7 @@ class AnthropicAPI:
     async def count_tokens(self, request: Request) -> Response:
         body: CountTokensRequest = decode_body(await self.serving.read_body(request), CountTokensRequest)
         _, prompt = await self._prompt(body, tool_definitions(body))
-        return Response(_json.encode({"input_tokens": len(prompt.token_ids)}), media_type="application/json")
+        return MsgspecResponse({"input_tokens": len(prompt.token_ids)})
 
     async def messages(self, request: Request) -> Response:
         body: MessagesRequest = decode_body(await self.serving.read_body(request), MessagesRequest)
@@ -163,7 +164,7 @@ class AnthropicAPI:
             Usage(generation.group.prompt_tokens, generation.group.completion_tokens,
                   cache_read_input_tokens=generation.group.cached_tokens),
         )
-        return Response(_json.encode(out), media_type="application/json")
+        return MsgspecResponse(out)
 
     async def _events(self, generation: Generation, message_id: str, model: str,
                       single_call: bool) -> AsyncIterator[bytes]:

@@ -7,7 +7,6 @@ import contextlib
 import logging
 import signal
 
-import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -19,6 +18,7 @@ from starlette.routing import Route
 from gateway.anthropic_api import AnthropicAPI
 from gateway.curve import CurveError
 from gateway.errors import APIError, api_error_handler, http_error_handler, internal_error_handler
+from gateway.json_response import MsgspecResponse
 from gateway.metrics import RequestCounter
 from gateway.openai_api import OpenAIAPI
 from gateway.security import Guard, KeyRing, check_bind_policy, keys_required
@@ -30,10 +30,6 @@ from gateway.worker_link import WorkerLink
 from protocol.worker_settings import WorkerSettings, announced_name
 
 log = logging.getLogger("mlxd.gateway")
-
-
-def _json(body: dict, status: int = 200, headers: dict | None = None) -> Response:
-    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json", headers=headers)
 
 
 def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None = None) -> Starlette:
@@ -66,16 +62,16 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
         status = "draining" if serving.draining else "ok"
         if not request.scope["state"]["authenticated"]:
             # Open to all, so that probes need no key; details only with one.
-            return _json({"status": status, "worker": {"ready": link.ready}})
+            return MsgspecResponse({"status": status, "worker": {"ready": link.ready}})
         body: dict = {"status": status, "worker": link.status()}
         if supervisor is not None:
             body["supervisor"] = supervisor.status()
-        return _json(body)
+        return MsgspecResponse(body)
 
     async def cancel(request: Request) -> Response:
         request_id = request.path_params["request_id"]
         serving.cancel(request, request_id)
-        return _json({"id": request_id, "cancelled": True})
+        return MsgspecResponse({"id": request_id, "cancelled": True})
 
     async def metrics(_request: Request) -> Response:  # behind the keys (security.Guard)
         text = serving.metrics.render(link.status(), supervisor.status() if supervisor else None)
@@ -83,8 +79,8 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
 
     async def ready(_request: Request) -> Response:
         if link.ready and not serving.draining:
-            return _json({"ready": True})
-        return _json({"ready": False, "worker": link.status()["state"]}, 503, {"Retry-After": "1"})
+            return MsgspecResponse({"ready": True})
+        return MsgspecResponse({"ready": False, "worker": link.status()["state"]}, 503, {"Retry-After": "1"})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

@@ -20,6 +20,7 @@ from starlette.responses import Response
 from gateway.errors import APIError, decode_body, error_body
 from gateway.generation import TokenInfo
 from gateway.images import ImageSource
+from gateway.json_response import MsgspecResponse
 from gateway.openai_schema import (
     AssistantMessage,
     ChatChoice,
@@ -177,7 +178,7 @@ class OpenAIAPI:
 
     async def models(self, _request: Request) -> Response:
         body = ModelList([Model(id=name, created=self.serving.started) for name in self.serving.model_names()])
-        return Response(_json.encode(body), media_type="application/json")
+        return MsgspecResponse(body)
 
     async def chat_completions(self, request: Request) -> Response:
         body: ChatCompletionRequest = decode_body(await self.serving.read_body(request), ChatCompletionRequest)
@@ -242,7 +243,7 @@ class OpenAIAPI:
             return Response(status_code=499)  # nobody is listening
         self.serving.log_completion(output.id, [c.text for c in choices])
         usage = _usage(generation)
-        return Response(_json.encode(output.response(choices, usage)), media_type="application/json")
+        return MsgspecResponse(output.response(choices, usage))
 
     async def _events(self, generation: Generation, output, include_usage: bool) -> AsyncIterator[bytes]:
         sent: list[str] = []
