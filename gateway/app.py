@@ -120,7 +120,7 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
 
     def stop_now() -> None:
         """On a second SIGTERM/SIGINT: end every open request at once."""
-        log.info("stopping now: ending %d open requests", len(link.requests))
+        log.info("stopping now: ending %d open requests", len(link.outputs))
         if (loop := getattr(app.state, "loop", None)) is not None:
             loop.call_soon_threadsafe(link.end_all, "the server is shutting down")
 

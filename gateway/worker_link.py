@@ -29,8 +29,9 @@ from typing import Any
 
 import msgspec
 
-from gateway.generation import Delta, RequestStream
+from gateway.generation import RequestStream
 from gateway.liveness import UNHEALTHY, Liveness, Vitals
+from gateway.output_processor import OutputProcessor
 from gateway.sampling_defaults import SamplingDefaults, sampling_defaults
 from gateway.tokenizer import Tokenizer, files_digest
 from gateway.transport import Transport
@@ -109,7 +110,7 @@ class WorkerLink:
         # The last worker that could not load its model, until one is accepted.
         self.load_failure: LoadFailed | None = None
         self.stats = LinkStats()
-        self.requests: dict[str, RequestStream] = {}  # every unfinished request
+        self.outputs = OutputProcessor()  # every unfinished request
         self._resume_by: dict[str, float] = {}  # request id -> deadline to get a worker
         self._ready = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -158,20 +159,22 @@ class WorkerLink:
         if self.worker is None or not self.ready:
             raise WorkerUnavailable("the worker went away")
         stream.model_digest = self.worker.hello.model_digest
-        self.requests[stream.request_id] = stream
+        self.outputs.add(stream)
         self._send(self.worker.identity, stream.add_request(), stream.buffers)
 
     def abort(self, request_id: str) -> None:
         """Forget the request and tell the worker to drop it. Idempotent."""
         self._resume_by.pop(request_id, None)
-        if self.requests.pop(request_id, None) is not None and self.worker is not None:
+        if self.outputs.forget(request_id) and self.worker is not None:
             self._send(self.worker.identity, Abort([request_id]))
 
     def end_all(self, message: str) -> None:
         """End every unfinished request with an error (gateway shutdown)."""
-        for stream in list(self.requests.values()):
-            self.abort(stream.request_id)
-            stream.queue.put_nowait(stream.fail(message, 503))
+        for stream in self.outputs:
+            self._resume_by.pop(stream.request_id, None)
+            self.outputs.fail(stream.request_id, message, 503)
+            if self.worker is not None:
+                self._send(self.worker.identity, Abort([stream.request_id]))
 
     def status(self) -> dict:
         w = self.worker
@@ -246,7 +249,9 @@ class WorkerLink:
             if w is None or identity != w.identity:
                 continue  # a replaced worker's leftovers
             if isinstance(message, StepOutput):
-                self._deliver(self._render(message))
+                aborts = self.outputs.process(message)
+                if aborts:  # stop strings, which the worker cannot see
+                    self._send(w.identity, Abort(aborts))
             elif isinstance(message, Error):
                 self._on_error(message)
             elif isinstance(message, Draining):
@@ -310,15 +315,13 @@ class WorkerLink:
         resumed = 0
         for request_id in list(self._resume_by):
             del self._resume_by[request_id]
-            stream = self.requests.get(request_id)
+            stream = self.outputs.get(request_id)
             if stream is None:
                 continue
             if stream.model_digest != w.hello.model_digest:
-                del self.requests[request_id]
                 self.stats.requests_failed_by_loss += 1
-                stream.queue.put_nowait(stream.fail(
-                    f"the worker came back serving other weights ({w.hello.model}); "
-                    "this request cannot continue on them", 503))
+                self.outputs.fail(request_id, f"the worker came back serving other weights ({w.hello.model}); "
+                                  "this request cannot continue on them", 503)
                 continue
             stream.model_digest = w.hello.model_digest
             self._send(w.identity, stream.add_request(), stream.buffers)
@@ -370,34 +373,11 @@ class WorkerLink:
         if self.worker is not None and self.worker.hello.pid == pid:
             self._lose_worker(f"its process exited with status {status}", handed_back=set())
 
-    def _render(self, step: StepOutput) -> list[tuple[RequestStream, Delta]]:
-        """Text for every request in one step, on the event loop: a step's
-        worth of detokenizing (tens of microseconds a request) costs less
-        there than the hop to a thread and back, which the GIL would
-        serialize anyway (measured: 8-14% less gateway CPU per token)."""
-        rendered = []
-        for output in step.outputs:
-            stream = self.requests.get(output.request_id)
-            if stream is not None and (delta := stream.render(output)) is not None:
-                rendered.append((stream, delta))
-        return rendered
-
-    def _deliver(self, rendered: list[tuple[RequestStream, Delta]]) -> None:
-        for stream, delta in rendered:
-            stream.queue.put_nowait(delta)
-            if delta.finish_reason is not None:
-                if delta.abort_worker:
-                    self.abort(stream.request_id)
-                else:
-                    self.requests.pop(stream.request_id, None)
-
     def _on_error(self, error: Error) -> None:
         if error.request_id is None:
             log.warning("the worker could not read a message: %s", error.message)
             return
-        stream = self.requests.pop(error.request_id, None)
-        if stream is not None:
-            stream.queue.put_nowait(stream.fail(f"the worker rejected the request: {error.message}", 500))
+        self.outputs.fail(error.request_id, f"the worker rejected the request: {error.message}", 500)
 
     def _lose_worker(self, why: str, handed_back: set[str]) -> None:
         w = self.worker
@@ -408,15 +388,15 @@ class WorkerLink:
         self._ready.clear()
         self.stats.workers_lost += 1
         deadline = time.monotonic() + self.worker_wait_s
-        for request_id, stream in list(self.requests.items()):
+        for stream in self.outputs:
+            request_id = stream.request_id
             if request_id in self._resume_by:
                 continue  # already waiting: it never reached this worker
             if request_id not in handed_back:
                 stream.worker_losses += 1
             if stream.worker_losses > MAX_WORKER_LOSSES:
-                del self.requests[request_id]
                 self.stats.requests_failed_by_loss += 1
-                stream.queue.put_nowait(stream.fail(f"the worker was lost twice during this request: {why}", 503))
+                self.outputs.fail(request_id, f"the worker was lost twice during this request: {why}", 503)
             else:
                 self._resume_by[request_id] = deadline
 
@@ -429,9 +409,5 @@ class WorkerLink:
             for request_id, deadline in list(self._resume_by.items()):
                 if now > deadline:
                     del self._resume_by[request_id]
-                    stream = self.requests.pop(request_id, None)
-                    if stream is not None:
+                    if self.outputs.fail(request_id, f"no worker came back within {self.worker_wait_s:g}s", 503):
                         self.stats.requests_failed_by_loss += 1
-                        stream.queue.put_nowait(
-                            stream.fail(f"no worker came back within {self.worker_wait_s:g}s", 503)
-                        )
