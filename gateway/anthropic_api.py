@@ -36,7 +36,7 @@ from gateway.errors import APIError, anthropic_error_body, decode_body
 from gateway.images import ImageSource
 from gateway.json_response import MsgspecResponse
 from gateway.parsing import ToolCall, stream_parsers
-from gateway.serving import EventStream, Generation, Serving, collect
+from gateway.serving import EventStream, Generation, Serving, collect, nonempty_stops
 from gateway.structured import forced_tool_call_grammar, named_tool
 from gateway.tokenizer import template_content
 from protocol import Sampling
@@ -121,9 +121,7 @@ class AnthropicAPI:
 
     async def messages(self, request: Request) -> Response:
         body: MessagesRequest = decode_body(await self.serving.read_body(request), MessagesRequest)
-        stops = body.stop_sequences or []
-        if any(not s for s in stops):
-            raise APIError(400, "stop_sequences must not be empty strings", param="stop_sequences")
+        stops = nonempty_stops(body.stop_sequences or [], "stop_sequences")
         tools = tool_definitions(body)
         worker, prompt = await self._prompt(body, tools)
         max_tokens = self.serving.max_tokens(prompt.token_ids, body.max_tokens, worker, "messages")

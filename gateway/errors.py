@@ -34,6 +34,15 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# OpenAI's error types, for an error known by its status alone (a request that
+# failed after it was admitted, Starlette's 404 and 405).
+OPENAI_TYPES = {404: "not_found_error", 499: "cancelled", 503: "service_unavailable"}
+
+
+def openai_error_type(status: int) -> str:
+    return OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
 # Anthropic's error types, by status.
 ANTHROPIC_TYPES = {
     400: "invalid_request_error",
@@ -100,14 +109,11 @@ async def api_error_handler(request: Request, e: Exception) -> Response:
     return error_response(request.url.path, e)
 
 
-_STATUS_TYPES = {404: "not_found_error", 405: "invalid_request_error"}
-
-
 async def http_error_handler(request: Request, e: Exception) -> Response:
     assert isinstance(e, HTTPException)
     return error_response(
         request.url.path,
-        APIError(e.status_code, str(e.detail), type=_STATUS_TYPES.get(e.status_code, "invalid_request_error")),
+        APIError(e.status_code, str(e.detail), type=openai_error_type(e.status_code)),
     )
 
 

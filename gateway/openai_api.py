@@ -17,7 +17,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.errors import APIError, decode_body, error_body
+from gateway.errors import APIError, decode_body, error_body, openai_error_type
 from gateway.generation import TokenInfo
 from gateway.images import ImageSource
 from gateway.json_response import MsgspecResponse
@@ -51,7 +51,7 @@ from gateway.openai_schema import (
     Usage,
 )
 from gateway.parsing import ToolCall, stream_parsers
-from gateway.serving import Choice, EventStream, Generation, Serving, collect, error_type
+from gateway.serving import Choice, EventStream, Generation, Serving, collect, nonempty_stops
 from gateway.structured import forced_tool_call_grammar, json_schema_grammar, named_tool
 from gateway.tokenizer import Prompt, template_content
 from gateway.worker_link import WorkerState
@@ -165,13 +165,6 @@ def chat_grammar(body: ChatCompletionRequest, tools: list[dict] | None, family: 
     return None
 
 
-def check_stop(body: GenerationRequest) -> list[str]:
-    stops = body.stop_strings()
-    if any(not s for s in stops):
-        raise APIError(400, "stop strings must not be empty", param="stop")
-    return stops
-
-
 class OpenAIAPI:
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
@@ -182,7 +175,7 @@ class OpenAIAPI:
 
     async def chat_completions(self, request: Request) -> Response:
         body: ChatCompletionRequest = decode_body(await self.serving.read_body(request), ChatCompletionRequest)
-        stop = check_stop(body)
+        stop = nonempty_stops(body.stop_strings(), "stop")
         for i, m in enumerate(body.messages):
             if m.role != "assistant" and m.content is None:
                 raise APIError(400, f"messages[{i}] ({m.role}) needs content", param=f"messages[{i}].content")
@@ -209,7 +202,7 @@ class OpenAIAPI:
 
     async def completions(self, request: Request) -> Response:
         body: CompletionRequest = decode_body(await self.serving.read_body(request), CompletionRequest)
-        stop = check_stop(body)
+        stop = nonempty_stops(body.stop_strings(), "stop")
         prompt_in = body.prompt
         if isinstance(prompt_in, list) and len(prompt_in) == 1 and isinstance(prompt_in[0], str):
             prompt_in = prompt_in[0]
@@ -254,7 +247,7 @@ class OpenAIAPI:
             try:
                 async for delta in generation.deltas():
                     if delta.error is not None:
-                        yield sse(error_body(delta.error, error_type(delta.error_status)))
+                        yield sse(error_body(delta.error, openai_error_type(delta.error_status)))
                         break
                     if delta.reasoning:
                         yield sse(output.reasoning_chunk(delta.index, delta.reasoning))

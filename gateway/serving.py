@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.errors import APIError
+from gateway.errors import APIError, openai_error_type
 from gateway.generation import Delta, RequestGroup, RequestStream, TokenInfo
 from gateway.images import ImageLoader, ImageSource
 from gateway.metrics import Metrics
@@ -35,12 +35,11 @@ log = logging.getLogger("mlxd.gateway.api")
 T = TypeVar("T")
 
 
-ERROR_TYPES = {499: "cancelled", 503: "service_unavailable"}
-
-
-def error_type(status: int) -> str:
-    """The OpenAI error type for a request that failed after it was admitted."""
-    return ERROR_TYPES.get(status, "server_error")
+def nonempty_stops(stops: list[str], param: str) -> list[str]:
+    """A request's stop strings; an empty one (which would end every request at once) is a 400."""
+    if any(not s for s in stops):
+        raise APIError(400, f"{param}: stop strings must not be empty", param=param)
+    return stops
 
 
 def unavailable(message: str) -> APIError:
@@ -341,7 +340,7 @@ async def _collect(generation: Generation) -> list[Choice]:
         if delta.error is not None:
             if delta.error_status == 503:
                 raise unavailable(delta.error)
-            raise APIError(delta.error_status, delta.error, type=error_type(delta.error_status))
+            raise APIError(delta.error_status, delta.error, type=openai_error_type(delta.error_status))
         choice = choices[delta.index]
         choice.text += delta.text
         choice.reasoning += delta.reasoning

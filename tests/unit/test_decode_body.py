@@ -33,3 +33,20 @@ def test_a_missing_field():
 def test_error_payloads_follow_the_api_of_the_path():
     assert b'"type":"error"' in error_payload("/v1/messages", 404, "no", "not_found_error")
     assert b'"param":null' in error_payload("/v1/chat/completions", 404, "no", "not_found_error")
+
+
+def test_openai_error_types_by_status():
+    from gateway.errors import openai_error_type
+
+    assert [openai_error_type(s) for s in (400, 404, 405, 499, 500, 503)] == [
+        "invalid_request_error", "not_found_error", "invalid_request_error", "cancelled", "server_error",
+        "service_unavailable"]
+
+
+def test_an_empty_stop_string_is_refused():
+    from gateway.serving import nonempty_stops
+
+    assert nonempty_stops(["a", "b"], "stop") == ["a", "b"]
+    with pytest.raises(APIError) as e:
+        nonempty_stops(["a", ""], "stop_sequences")
+    assert e.value.status == 400 and e.value.param == "stop_sequences"
