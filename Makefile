@@ -69,6 +69,7 @@ bench: install-test model
 	$(PY) -m tests.bench.grammar_overhead
 	$(PY) -m tests.bench.gateway_memory
 	$(PY) -m tests.bench.vision_mix
+	$(PY) -m tests.bench.detokenize
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

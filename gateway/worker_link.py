@@ -289,7 +289,12 @@ class WorkerLink:
         if w is not None and w.tokenizer.digest == files_digest(hello.tokenizer_files):
             tokenizer = w.tokenizer
         else:
-            tokenizer = await asyncio.to_thread(Tokenizer, hello.tokenizer_files, hello.vision)
+            try:
+                tokenizer = await asyncio.to_thread(Tokenizer, hello.tokenizer_files, hello.vision)
+            except Exception as e:  # files the gateway cannot use: this worker cannot serve through it
+                log.exception("refused a worker (pid %d): its tokenizer files cannot be loaded", hello.pid)
+                self._send(identity, Refused(f"the gateway cannot load this model's tokenizer: {e}"))
+                return
         if self.worker is not None:
             old = self.worker
             self._lose_worker(f"replaced by a newer worker (pid {hello.pid})", handed_back=set())

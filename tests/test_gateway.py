@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import zmq
 
-from protocol import PROTOCOL_VERSION, Refused, decode_to_worker
+from protocol import PROTOCOL_VERSION, Hello, Refused, decode_to_worker, encode
 from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, stop_process, wait_for
 from worker.blas import openblas_path
 
@@ -54,6 +54,22 @@ def test_worker_of_another_protocol_version_is_refused(gateway, tmp_path):
         assert isinstance(refused, Refused)
         assert f"version {PROTOCOL_VERSION}" in refused.reason
         assert f"version {PROTOCOL_VERSION + 98}" in refused.reason
+        assert gateway.health()["worker"]["state"] == "absent"
+    finally:
+        rogue.close()
+        context.term()
+
+
+def test_a_worker_whose_tokenizer_cannot_load_is_refused_and_the_gateway_serves_on(gateway):
+    context = zmq.Context()
+    rogue = context.socket(zmq.DEALER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(gateway.endpoint)
+    try:
+        rogue.send(encode(Hello(PROTOCOL_VERSION, 1, 2, "m", 2048, 384, 32, [2], {"tokenizer.json": b"{not json"})))
+        assert rogue.poll(10_000), "the gateway did not answer"
+        refused, _ = decode_to_worker([rogue.recv()])
+        assert isinstance(refused, Refused) and "tokenizer" in refused.reason
         assert gateway.health()["worker"]["state"] == "absent"
     finally:
         rogue.close()

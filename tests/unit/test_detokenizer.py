@@ -35,3 +35,13 @@ def test_the_digest_names_the_files_not_their_order():
     a = {"x": b"1", "y": b"2"}
     assert files_digest(a) == files_digest(dict(reversed(list(a.items()))))
     assert files_digest(a) != files_digest({"x": b"1", "y": b"3"})
+
+
+def test_a_character_the_output_never_completed_is_flushed_as_a_full_decode_shows_it(tokenizer):
+    ids = tokenizer.encode_text("a😀")
+    cut = ids[:-1]  # the emoji's last byte never comes
+    assert "\ufffd" in tokenizer.decode(cut)
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    streamed = detokenizer.add(cut)
+    assert "\ufffd" not in streamed
+    assert streamed + detokenizer.flush() == tokenizer.decode(cut)
