@@ -29,7 +29,7 @@ def test_a_bad_value_names_its_flag_and_variable():
         parsed(GatewaySettings, ["--port", "70000"])
 
 
-def test_booleans_have_no_forms():
+def test_booleans_take_a_no_form():
     assert parsed(WorkerSettings, ["--no-cpu-dequantize"]).cpu_dequantize is False
 
 
