@@ -18,6 +18,7 @@ from starlette.routing import Route
 from gateway.anthropic_api import AnthropicAPI
 from gateway.curve import CurveError
 from gateway.errors import APIError, api_error_handler, http_error_handler, internal_error_handler
+from gateway.health import worker_status
 from gateway.json_response import MsgspecResponse
 from gateway.metrics import RequestCounter
 from gateway.openai_api import OpenAIAPI
@@ -63,7 +64,7 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
         if not request.scope["state"]["authenticated"]:
             # Open to all, so that probes need no key; details only with one.
             return MsgspecResponse({"status": status, "worker": {"ready": link.ready}})
-        body: dict = {"status": status, "worker": link.status()}
+        body: dict = {"status": status, "worker": worker_status(link)}
         if supervisor is not None:
             body["supervisor"] = supervisor.status()
         return MsgspecResponse(body)
@@ -74,13 +75,13 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
         return MsgspecResponse({"id": request_id, "cancelled": True})
 
     async def metrics(_request: Request) -> Response:  # behind the keys (security.Guard)
-        text = serving.metrics.render(link.status(), supervisor.status() if supervisor else None)
+        text = serving.metrics.render(worker_status(link), supervisor.status() if supervisor else None)
         return Response(text, media_type="text/plain; version=0.0.4")
 
     async def ready(_request: Request) -> Response:
         if link.ready and not serving.draining:
             return MsgspecResponse({"ready": True})
-        return MsgspecResponse({"ready": False, "worker": link.status()["state"]}, 503, {"Retry-After": "1"})
+        return MsgspecResponse({"ready": False, "worker": worker_status(link)["state"]}, 503, {"Retry-After": "1"})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

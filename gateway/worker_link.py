@@ -27,8 +27,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from gateway.generation import RequestStream
 from gateway.liveness import UNHEALTHY, Liveness, Vitals
 from gateway.output_processor import OutputProcessor
@@ -176,38 +174,15 @@ class WorkerLink:
             if self.worker is not None:
                 self._send(self.worker.identity, Abort([stream.request_id]))
 
-    def status(self) -> dict:
-        w = self.worker
-        state: dict[str, Any] = {"ready": self.ready, "state": w.vitals.state.value if w else "absent"}
-        if w is not None:
-            now = time.monotonic()
-            state.update(
-                pid=w.hello.pid,
-                epoch=w.hello.epoch,
-                model=w.hello.model,
-                context_length=w.hello.context_length,
-                capacity=w.hello.capacity,
-                sampling_defaults=msgspec.structs.asdict(w.sampling),
-                running=w.vitals.running,
-                waiting=w.waiting,
-                steps=w.vitals.steps,
-                last_heartbeat_s=round(now - w.vitals.last_beat, 3),
-                up_s=round(now - w.accepted_at, 1),
-            )
-            if w.prefix_cache is not None:
-                state["prefix_cache"] = msgspec.structs.asdict(w.prefix_cache)
-            if w.affinity is not None:
-                state["affinity"] = {
-                    "evaluations": w.affinity.evaluations,
-                    "off_main_thread": w.affinity.off_main_thread,
-                }
-        if self.load_failure is not None:
-            state["load_error"] = self._load_failure_text()
-        state["requests_waiting_for_a_worker"] = len(self._resume_by)
-        state["workers_lost"] = self.stats.workers_lost
-        state["requests_resumed"] = self.stats.requests_resumed
-        state["requests_failed_by_loss"] = self.stats.requests_failed_by_loss
-        return state
+    @property
+    def load_error(self) -> str | None:
+        """Why the last worker could not load its model, until one is accepted."""
+        return self._load_failure_text() if self.load_failure is not None else None
+
+    @property
+    def requests_waiting(self) -> int:
+        """Requests of a lost worker waiting for the next one."""
+        return len(self._resume_by)
 
     # ---- the link itself ---------------------------------------------------
 
