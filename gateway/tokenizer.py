@@ -149,9 +149,9 @@ class IncrementalDetokenizer:
 
     tokenizers' own DecodeStream (Rust) does the work: it holds back a token
     that ends inside a multi-byte character, or whose text depends on the
-    next one, until its text is certain. Measured at 1.0-1.1 us a token
-    against 2.6 us for decoding a window of recent tokens twice in Python
-    (SmolLM2, one token at a time, identical text). At the end, what it still
+    next one, until its text is certain. Measured at 1.30 us a token against
+    2.72 us for decoding a window of recent tokens twice in Python (SmolLM2,
+    one token at a time, identical text; docs/benchmarks.md). At the end, what it still
     holds back (a character the output never completed) is flushed as a full
     decode shows it: U+FFFD.
     """

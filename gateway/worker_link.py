@@ -139,19 +139,14 @@ class WorkerLink:
         return self._ready.is_set()
 
     async def ready_worker(self, timeout_s: float) -> WorkerState:
-        if self.load_failure is not None and not self.ready:
-            raise WorkerUnavailable(self._load_failure_text())
+        if self.load_error is not None and not self.ready:
+            raise WorkerUnavailable(self.load_error)
         try:
             await asyncio.wait_for(self._ready.wait(), timeout_s)
         except TimeoutError:
             raise WorkerUnavailable(f"no worker became ready within {timeout_s:g}s") from None
         assert self.worker is not None
         return self.worker
-
-    def _load_failure_text(self) -> str:
-        failure = self.load_failure
-        assert failure is not None
-        return f"the worker cannot load its model {failure.model or '(the default)'!r}: {failure.reason}"
 
     def submit(self, stream: RequestStream) -> None:
         if self.worker is None or not self.ready:
@@ -162,22 +157,26 @@ class WorkerLink:
 
     def abort(self, request_id: str) -> None:
         """Forget the request and tell the worker to drop it. Idempotent."""
-        self._resume_by.pop(request_id, None)
-        if self.outputs.forget(request_id) and self.worker is not None:
-            self._send(self.worker.identity, Abort([request_id]))
+        self._drop(request_id, self.outputs.forget(request_id))
 
     def end_all(self, message: str) -> None:
         """End every unfinished request with an error (gateway shutdown)."""
         for stream in self.outputs:
-            self._resume_by.pop(stream.request_id, None)
-            self.outputs.fail(stream.request_id, message, 503)
-            if self.worker is not None:
-                self._send(self.worker.identity, Abort([stream.request_id]))
+            self._drop(stream.request_id, self.outputs.fail(stream.request_id, message, 503))
+
+    def _drop(self, request_id: str, was_running: bool) -> None:
+        """A request ended here: it waits for no worker, and the worker is told to drop it."""
+        self._resume_by.pop(request_id, None)
+        if was_running and self.worker is not None:
+            self._send(self.worker.identity, Abort([request_id]))
 
     @property
     def load_error(self) -> str | None:
         """Why the last worker could not load its model, until one is accepted."""
-        return self._load_failure_text() if self.load_failure is not None else None
+        failure = self.load_failure
+        if failure is None:
+            return None
+        return f"the worker cannot load its model {failure.model or '(the default)'!r}: {failure.reason}"
 
     @property
     def requests_waiting(self) -> int:
@@ -299,11 +298,9 @@ class WorkerLink:
             if stream is None:
                 continue
             if stream.model_digest != w.hello.model_digest:
-                self.stats.requests_failed_by_loss += 1
-                self.outputs.fail(request_id, f"the worker came back serving other weights ({w.hello.model}); "
-                                  "this request cannot continue on them", 503)
+                self._fail_after_loss(request_id, f"the worker came back serving other weights ({w.hello.model}); "
+                                      "this request cannot continue on them")
                 continue
-            stream.model_digest = w.hello.model_digest
             self._send(w.identity, stream.add_request(), stream.buffers)
             resumed += 1
         if resumed:
@@ -375,10 +372,14 @@ class WorkerLink:
             if request_id not in handed_back:
                 stream.worker_losses += 1
             if stream.worker_losses > MAX_WORKER_LOSSES:
-                self.stats.requests_failed_by_loss += 1
-                self.outputs.fail(request_id, f"the worker was lost twice during this request: {why}", 503)
+                self._fail_after_loss(request_id, f"the worker was lost twice during this request: {why}")
             else:
                 self._resume_by[request_id] = deadline
+
+    def _fail_after_loss(self, request_id: str, why: str) -> None:
+        """End a request that a lost worker left without a way on (a 503, counted)."""
+        if self.outputs.fail(request_id, why, 503):
+            self.stats.requests_failed_by_loss += 1
 
     async def _watchdog(self) -> None:
         while True:
@@ -389,5 +390,4 @@ class WorkerLink:
             for request_id, deadline in list(self._resume_by.items()):
                 if now > deadline:
                     del self._resume_by[request_id]
-                    if self.outputs.fail(request_id, f"no worker came back within {self.worker_wait_s:g}s", 503):
-                        self.stats.requests_failed_by_loss += 1
+                    self._fail_after_loss(request_id, f"no worker came back within {self.worker_wait_s:g}s")

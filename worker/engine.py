@@ -169,7 +169,7 @@ class Engine:
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop requests; unknown or finished ids are ignored (aborts are idempotent)."""
-        dropped = [self._requests.pop(r) for r in request_ids if r in self._requests]
+        dropped = [self._requests[r] for r in dict.fromkeys(request_ids) if r in self._requests]
         if not dropped:
             return
         caches = self._generator.remove([r.uid for r in dropped], return_prompt_caches=self.prefix_cache is not None)
@@ -177,8 +177,7 @@ class Engine:
             for uid, (cache, tokens) in caches.items():
                 self.prefix_cache.keep(self._cache_key(self._by_uid[uid], tokens), cache)
         for admitted in dropped:
-            del self._by_uid[admitted.uid]
-            self._started(admitted)
+            self._finish(admitted)
 
     def abort_all(self) -> list[str]:
         ids = list(self._requests)
@@ -186,11 +185,13 @@ class Engine:
         return ids
 
     def _finish(self, admitted: Admitted) -> None:
+        """It finished or was aborted: the engine forgets it."""
+        self._started(admitted)
         del self._requests[admitted.request_id]
         del self._by_uid[admitted.uid]
 
     def _started(self, admitted: Admitted) -> None:
-        """It is prefilled (or gone): no longer waiting."""
+        """It is prefilled: no longer waiting."""
         if admitted.waiting:
             admitted.waiting = False
             self.waiting -= 1
