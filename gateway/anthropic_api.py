@@ -1,14 +1,13 @@
-"""Anthropic's /v1/messages and /v1/messages/count_tokens.
+"""Anthropic's dialect: /v1/messages and /v1/messages/count_tokens.
 
-The same generation path as the OpenAI endpoints (gateway/serving.py), with
-Anthropic's request shape, stop reasons, SSE event sequence and error shape.
+A body becomes a Plan (gateway/plan.py); `Serving.respond` runs it; a
+`MessageOutput` renders its Deltas as Anthropic's SSE event sequence or one
+message, with Anthropic's stop reasons and error shape.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
-from collections.abc import AsyncIterator
 
 import msgspec
 from starlette.requests import Request
@@ -34,12 +33,20 @@ from gateway.anthropic_schema import (
 )
 from gateway.errors import APIError, anthropic_error_body, decode_body
 from gateway.images import ImageSource
-from gateway.json_response import MsgspecResponse
-from gateway.parsing import ToolCall, stream_parsers
-from gateway.serving import EventStream, Generation, Serving, collect, nonempty_stops
-from gateway.structured import forced_tool_call_grammar, named_tool
-from gateway.tokenizer import template_content
-from protocol import Sampling
+from gateway.output_processor import Delta, RequestGroup
+from gateway.parsing import ToolCall, arguments_object
+from gateway.plan import (
+    ChatInput,
+    NamedTool,
+    Plan,
+    SamplingParams,
+    nonempty_stops,
+    template_message,
+    template_tool_call,
+    tool_definitions,
+)
+from gateway.responses import MsgspecResponse
+from gateway.serving import Choice, Serving
 
 _json = msgspec.json.Encoder()
 
@@ -54,14 +61,14 @@ def stop_reason(finish_reason: str | None, stop_string: str | None) -> str:
     return "max_tokens" if finish_reason == "length" else "end_turn"
 
 
-def chat_messages(body: MessagesRequest | CountTokensRequest, vision: bool) -> tuple[list[dict], list[ImageSource]]:
+def chat_input(body: MessagesRequest | CountTokensRequest) -> ChatInput:
     """Anthropic messages as the chat template's messages, and their image
     blocks, in order."""
     messages = []
     images = []
     if body.system:
         system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
-        messages.append({"role": "system", "content": template_content([{"type": "text", "text": system}], vision)})
+        messages.append(template_message("system", [{"type": "text", "text": system}]))
     for i, m in enumerate(body.messages):
         blocks = [TextBlock(m.content)] if isinstance(m.content, str) else m.content
         parts: list[dict] = []
@@ -76,146 +83,122 @@ def chat_messages(body: MessagesRequest | CountTokensRequest, vision: bool) -> t
                               else ImageSource(param, url=source.url))
                 parts.append({"type": "image"})
             elif isinstance(block, ToolUseBlock):
-                tool_calls.append({"id": block.id, "type": "function",
-                                   "function": {"name": block.name, "arguments": block.input}})
+                tool_calls.append(template_tool_call(block.id, block.name, block.input))
             elif isinstance(block, ToolResultBlock):
-                messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
+                messages.append(template_message("tool", block.text(), tool_call_id=block.tool_use_id))
             elif isinstance(block, ThinkingBlock):
                 pass  # earlier reasoning is not replayed into the prompt, as chat templates do
         if parts or tool_calls:
-            message: dict = {"role": m.role, "content": template_content(parts, vision)}
-            if tool_calls:
-                message["tool_calls"] = tool_calls
-            messages.append(message)
-    return messages, images
+            messages.append(template_message(m.role, parts, tool_calls))
+    template_kwargs = {"enable_thinking": body.thinking.type == "enabled"} if body.thinking else None
+    return ChatInput(messages, images, template_kwargs)
 
 
-def tool_definitions(body: MessagesRequest | CountTokensRequest) -> list[dict] | None:
-    """The tools in OpenAI's function shape, which chat templates expect: none with
-    tool_choice none, only the named one with tool_choice tool."""
-    if not body.tools or isinstance(body.tool_choice, ToolChoiceNone):
-        if isinstance(body.tool_choice, (ToolChoiceAny, ToolChoiceTool)):
-            raise APIError(400, "tool_choice needs tools", param="tool_choice")
-        return None
-    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                               "parameters": t.input_schema}} for t in body.tools]
-    if isinstance(body.tool_choice, ToolChoiceTool):
-        return named_tool(tools, body.tool_choice.name)
-    return tools
+def tools(body: MessagesRequest | CountTokensRequest) -> list[dict] | None:
+    """The tools in OpenAI's function shape, which chat templates expect, narrowed by the tool choice."""
+    choice = body.tool_choice
+    return tool_definitions(
+        [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                           "parameters": t.input_schema}} for t in body.tools or []],
+        "none" if isinstance(choice, ToolChoiceNone) else "required" if isinstance(choice, ToolChoiceAny)
+        else NamedTool(choice.name) if isinstance(choice, ToolChoiceTool) else "auto",
+    )
+
+
+def messages_plan(body: MessagesRequest) -> Plan:
+    choice = body.tool_choice
+    return Plan(
+        model=body.model,
+        prompt=chat_input(body),
+        sampling=SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k),
+        stops=nonempty_stops(body.stop_sequences or [], "stop_sequences"),
+        stream=body.stream,
+        max_tokens=body.max_tokens,
+        tools=tools(body),
+        force_tool_call=isinstance(choice, (ToolChoiceAny, ToolChoiceTool)),
+        parallel_tool_calls=choice is None or isinstance(choice, ToolChoiceNone)
+        or not choice.disable_parallel_tool_use,
+    )
 
 
 class AnthropicAPI:
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
 
-    async def _prompt(self, body: MessagesRequest | CountTokensRequest, tools: list[dict] | None):
-        worker = await self.serving.worker_for(body.model)
-        template_kwargs = {"enable_thinking": body.thinking.type == "enabled"} if body.thinking else None
-        messages, images = chat_messages(body, worker.hello.vision)
-        return worker, await self.serving.chat_prompt(worker, messages, tools, template_kwargs, images)
-
     async def count_tokens(self, request: Request) -> Response:
-        body: CountTokensRequest = decode_body(await self.serving.read_body(request), CountTokensRequest)
-        _, prompt = await self._prompt(body, tool_definitions(body))
+        body = decode_body(await self.serving.read_body(request), CountTokensRequest)
+        plan = Plan(model=body.model, prompt=chat_input(body), sampling=SamplingParams(), stops=[], tools=tools(body))
+        worker = await self.serving.worker_for(body.model)
+        prompt = await self.serving.prompt(worker, plan)
         return MsgspecResponse({"input_tokens": len(prompt.token_ids)})
 
     async def messages(self, request: Request) -> Response:
-        body: MessagesRequest = decode_body(await self.serving.read_body(request), MessagesRequest)
-        stops = nonempty_stops(body.stop_sequences or [], "stop_sequences")
-        tools = tool_definitions(body)
-        worker, prompt = await self._prompt(body, tools)
-        max_tokens = self.serving.max_tokens(prompt.token_ids, body.max_tokens, worker, "messages")
-        family = worker.tokenizer.tool_family
-        forced = isinstance(body.tool_choice, (ToolChoiceAny, ToolChoiceTool))
-        defaults = worker.sampling  # the model's, where the body is silent
-        sampling = Sampling(
-            max_tokens=max_tokens,
-            temperature=defaults.temperature if body.temperature is None else body.temperature,
-            top_p=defaults.top_p if body.top_p is None else body.top_p,
-            top_k=defaults.top_k if body.top_k is None else body.top_k,
-            min_p=defaults.min_p,
-            repetition_penalty=defaults.repetition_penalty,
-            grammar=forced_tool_call_grammar(tools, family) if forced and tools is not None else None,
-        )
-        message_id = f"msg_{uuid.uuid4().hex}"
-        parsers = stream_parsers(worker.tokenizer.reasoning_markers, family, prompt.text, tools is not None)
-        generation = self.serving.start(request, worker, message_id, prompt, [sampling], stops, parsers)
-        single_call = (body.tool_choice is not None and not isinstance(body.tool_choice, ToolChoiceNone)
-                       and body.tool_choice.disable_parallel_tool_use)
-        if body.stream:
-            return EventStream(self._events(generation, message_id, body.model, single_call), generation)
-        choices = await collect(request, generation, self.serving)
-        if choices is None:
-            return Response(status_code=499)  # nobody is listening
-        (choice,) = choices
-        self.serving.log_completion(message_id, [choice.text])
-        calls = choice.tool_calls[:1] if single_call else choice.tool_calls
-        content: list = [ThinkingOut(choice.reasoning)] if choice.reasoning else []
-        content += [TextOut(choice.text)] if choice.text.strip() or not (calls or content) else []
-        content += [ToolUseOut(tool_use_id(c), c.name, tool_input(c)) for c in calls]
-        out = MessageOut(
-            message_id,
-            body.model,
-            content,
-            "tool_use" if calls else stop_reason(choice.finish_reason, choice.stop_string),
-            choice.stop_string,
-            Usage(generation.group.prompt_tokens, generation.group.completion_tokens,
-                  cache_read_input_tokens=generation.group.cached_tokens),
-        )
-        return MsgspecResponse(out)
-
-    async def _events(self, generation: Generation, message_id: str, model: str,
-                      single_call: bool) -> AsyncIterator[bytes]:
-        group = generation.group
-        start = MessageOut(message_id, model, [], None, None, Usage(group.prompt_tokens, 0))
-        yield event("message_start", {"type": "message_start", "message": msgspec.to_builtins(start)})
-        yield event("ping", {"type": "ping"})
-        blocks = Blocks()
-        reason = stop_string = None
-        calls = 0
-        sent = []
-        try:
-            async for delta in generation.deltas():
-                if delta.error is not None:
-                    yield event("error", anthropic_error_body(delta.error_status, delta.error))
-                    return
-                if delta.reasoning:
-                    for e in blocks.add("thinking", {"type": "thinking_delta", "thinking": delta.reasoning}):
-                        yield e
-                if delta.text and (delta.text.strip() or blocks.kind == "text"):
-                    sent.append(delta.text)
-                    for e in blocks.add("text", {"type": "text_delta", "text": delta.text}):
-                        yield e
-                for call in delta.tool_calls[: 1 - calls if single_call else None]:
-                    calls += 1
-                    for e in blocks.tool_use(call):
-                        yield e
-                if delta.finish_reason is not None:
-                    reason, stop_string = stop_reason(delta.finish_reason, delta.stop_string), delta.stop_string
-        except TimeoutError:
-            yield event("error", anthropic_error_body(504, self.serving.timed_out()))
-            return
-        finally:
-            self.serving.log_completion(message_id, ["".join(sent)])
-        for e in blocks.close(ensure_one=True):
-            yield e
-        yield event("message_delta", {"type": "message_delta",
-                                      "delta": {"stop_reason": "tool_use" if calls else reason,
-                                                "stop_sequence": stop_string},
-                                      "usage": {"output_tokens": group.completion_tokens}})
-        yield event("message_stop", {"type": "message_stop"})
+        body = decode_body(await self.serving.read_body(request), MessagesRequest)
+        return await self.serving.respond(request, messages_plan(body), MessageOutput(body.model))
 
 
 def tool_use_id(call: ToolCall) -> str:
     return "toolu_" + call.id.removeprefix("call_")
 
 
-def tool_input(call: ToolCall) -> dict:
-    try:
-        value = json.loads(call.arguments)
-    except json.JSONDecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}
+def tool_use(call: ToolCall) -> ToolUseOut:
+    return ToolUseOut(tool_use_id(call), call.name, arguments_object(call.arguments) or {})
+
+
+class MessageOutput:
+    """One message's renderer (serving.Renderer): Anthropic's event sequence, or the message whole."""
+
+    def __init__(self, model: str) -> None:
+        self.id = f"msg_{uuid.uuid4().hex}"
+        self.model = model
+        self._blocks = Blocks()
+        self._calls = 0
+        self._reason: str | None = None
+        self._stop_string: str | None = None
+
+    def opening(self, group: RequestGroup) -> list[bytes]:
+        start = MessageOut(self.id, self.model, [], None, None, Usage(group.prompt_tokens, 0))
+        return [event("message_start", {"type": "message_start", "message": msgspec.to_builtins(start)}),
+                event("ping", {"type": "ping"})]
+
+    def delta(self, delta: Delta) -> list[bytes]:
+        blocks = self._blocks
+        out = []
+        if delta.reasoning:
+            out += blocks.add("thinking", {"type": "thinking_delta", "thinking": delta.reasoning})
+        if delta.text and (delta.text.strip() or blocks.kind == "text"):
+            out += blocks.add("text", {"type": "text_delta", "text": delta.text})
+        for call in delta.tool_calls:
+            self._calls += 1
+            out += blocks.tool_use(call)
+        if delta.finish_reason is not None:
+            self._reason, self._stop_string = stop_reason(delta.finish_reason, delta.stop_string), delta.stop_string
+        return out
+
+    def ending(self, group: RequestGroup, error: APIError | None) -> list[bytes]:
+        if error is not None:
+            return [event("error", anthropic_error_body(error.status, error.message))]
+        return [*self._blocks.close(ensure_one=True),
+                event("message_delta", {"type": "message_delta",
+                                        "delta": {"stop_reason": "tool_use" if self._calls else self._reason,
+                                                  "stop_sequence": self._stop_string},
+                                        "usage": {"output_tokens": group.completion_tokens}}),
+                event("message_stop", {"type": "message_stop"})]
+
+    def body(self, choices: list[Choice], group: RequestGroup) -> MessageOut:
+        (choice,) = choices
+        calls = choice.tool_calls
+        content: list = [ThinkingOut(choice.reasoning)] if choice.reasoning else []
+        content += [TextOut(choice.text)] if choice.text.strip() or not (calls or content) else []
+        content += [tool_use(c) for c in calls]
+        return MessageOut(
+            self.id,
+            self.model,
+            content,
+            "tool_use" if calls else stop_reason(choice.finish_reason, choice.stop_string),
+            choice.stop_string,
+            Usage(group.prompt_tokens, group.completion_tokens, cache_read_input_tokens=group.cached_tokens),
+        )
 
 
 class Blocks:

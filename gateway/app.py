@@ -19,9 +19,9 @@ from gateway.anthropic_api import AnthropicAPI
 from gateway.curve import CurveError
 from gateway.errors import APIError, api_error_handler, http_error_handler, internal_error_handler
 from gateway.health import worker_status
-from gateway.json_response import MsgspecResponse
 from gateway.metrics import RequestCounter
 from gateway.openai_api import OpenAIAPI
+from gateway.responses import MsgspecResponse
 from gateway.security import Guard, KeyRing, check_bind_policy, keys_required
 from gateway.serving import Serving
 from gateway.settings import GatewaySettings
@@ -117,13 +117,13 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
         if loop is None:
             return  # not serving yet: nothing to drain
         log.info("draining: open requests have %gs to finish (send the signal again to stop now)", settings.drain_s)
-        loop.call_soon_threadsafe(loop.call_later, settings.drain_s, link.end_all, "the server is shutting down")
+        loop.call_soon_threadsafe(loop.call_later, settings.drain_s, serving.end_all, "the server is shutting down")
 
     def stop_now() -> None:
         """On a second SIGTERM/SIGINT: end every open request at once."""
-        log.info("stopping now: ending %d open requests", len(link.outputs))
+        log.info("stopping now: ending %d open requests", len(serving.running))
         if (loop := getattr(app.state, "loop", None)) is not None:
-            loop.call_soon_threadsafe(link.end_all, "the server is shutting down")
+            loop.call_soon_threadsafe(serving.end_all, "the server is shutting down")
 
     app = Starlette(
         routes=[

@@ -1,26 +1,22 @@
-"""OpenAI's /v1/chat/completions, /v1/completions and /v1/models.
+"""OpenAI's dialect: /v1/chat/completions, /v1/completions and /v1/models.
 
-Each handler validates its body, builds the prompt and one Sampling per
-choice, and hands them to `Serving` (gateway/serving.py), which runs them in
-the worker; then it turns the Deltas into OpenAI's SSE chunks or one body.
+A body becomes a Plan (gateway/plan.py); `Serving.respond` runs it; the
+outputs below render its Deltas as OpenAI's SSE chunks or one body.
 """
 
 from __future__ import annotations
 
-import json
+import abc
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import cast
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.errors import APIError, decode_body, error_body, openai_error_type
-from gateway.generation import TokenInfo
+from gateway.errors import APIError, decode_body, error_body
 from gateway.images import ImageSource
-from gateway.json_response import MsgspecResponse
 from gateway.openai_schema import (
     AssistantMessage,
     ChatChoice,
@@ -50,12 +46,20 @@ from gateway.openai_schema import (
     TopLogprob,
     Usage,
 )
-from gateway.parsing import ToolCall, stream_parsers
-from gateway.serving import Choice, EventStream, Generation, Serving, collect, nonempty_stops
-from gateway.structured import forced_tool_call_grammar, json_schema_grammar, named_tool
-from gateway.tokenizer import Prompt, template_content
-from gateway.worker_link import WorkerState
-from protocol import Sampling
+from gateway.output_processor import Delta, RequestGroup, TokenInfo
+from gateway.parsing import ToolCall
+from gateway.plan import (
+    ChatInput,
+    NamedTool,
+    Plan,
+    SamplingParams,
+    nonempty_stops,
+    template_message,
+    template_tool_call,
+    tool_definitions,
+)
+from gateway.responses import MsgspecResponse
+from gateway.serving import Choice, Serving
 
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
@@ -65,45 +69,23 @@ def sse(payload) -> bytes:
     return b"data: " + _json.encode(payload) + b"\n\n"
 
 
-def samplings(body: GenerationRequest, max_tokens: int, logprobs: int | None, worker: WorkerState,
-              grammar: str | None = None) -> list[Sampling]:
-    """One Sampling per choice, the model's defaults where the body is silent;
-    with a seed, choice i samples with seed + i."""
-    vocab_size = worker.hello.vocab_size
-    defaults = worker.sampling
-    bias = {}
-    for key, value in (body.logit_bias or {}).items():
-        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
-            raise APIError(400, f"logit_bias key {key!r} is not a token id of this model (0..{vocab_size - 1})",
-                           param="logit_bias")
-        bias[int(key)] = value
-    base = Sampling(
-        max_tokens=max_tokens,
-        temperature=defaults.temperature if body.temperature is None else body.temperature,
-        top_p=defaults.top_p if body.top_p is None else body.top_p,
-        top_k=defaults.top_k if body.top_k is None else max(body.top_k, 0),
-        min_p=defaults.min_p if body.min_p is None else body.min_p,
-        seed=body.seed,
-        ignore_eos=body.ignore_eos,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=defaults.repetition_penalty if body.repetition_penalty is None else body.repetition_penalty,
-        logit_bias=bias,
-        logprobs=logprobs,
-        grammar=grammar,
+def sampling_params(body: GenerationRequest, logprobs: int | None) -> SamplingParams:
+    return SamplingParams(
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0, seed=body.seed, ignore_eos=body.ignore_eos,
+        logit_bias=body.logit_bias, logprobs=logprobs, n=body.n or 1,
     )
-    n = body.n or 1
-    if body.seed is None:
-        return [base] * n
-    return [msgspec.structs.replace(base, seed=body.seed + i) for i in range(n)]
 
 
-def template_messages(messages: list, vision: bool) -> tuple[list[dict], list[ImageSource]]:
-    """Chat messages as chat templates expect them (tool call arguments as
+def chat_input(body: ChatCompletionRequest) -> ChatInput:
+    """The messages as chat templates take them (tool call arguments as
     objects), and the image parts among them, in order."""
-    out = []
+    messages = []
     images = []
-    for i, m in enumerate(messages):
+    for i, m in enumerate(body.messages):
+        if m.role != "assistant" and m.content is None:
+            raise APIError(400, f"messages[{i}] ({m.role}) needs content", param=f"messages[{i}].content")
         parts = []
         for j, part in enumerate(m.parts()):
             if isinstance(part, ImagePart):
@@ -111,58 +93,50 @@ def template_messages(messages: list, vision: bool) -> tuple[list[dict], list[Im
                 parts.append({"type": "image"})
             else:
                 parts.append({"type": "text", "text": part.text})
-        message: dict = {"role": "system" if m.role == "developer" else m.role,
-                         "content": template_content(parts, vision)}
-        if m.tool_calls:
-            message["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.function.name,
-                                                              "arguments": _json_or_text(c.function.arguments)}}
-                for c in m.tool_calls
-            ]
-        if m.tool_call_id is not None:
-            message["tool_call_id"] = m.tool_call_id
-        if m.name is not None:
-            message["name"] = m.name
-        out.append(message)
-    return out, images
+        calls = [template_tool_call(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
+        extra = {key: value for key, value in (("tool_call_id", m.tool_call_id), ("name", m.name)) if value is not None}
+        messages.append(template_message("system" if m.role == "developer" else m.role, parts, calls, **extra))
+    return ChatInput(messages, images, body.chat_template_kwargs)
 
 
-def _json_or_text(arguments: str):
-    try:
-        return json.loads(arguments)
-    except json.JSONDecodeError:
-        return arguments
+def chat_plan(body: ChatCompletionRequest) -> Plan:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    choice = body.tool_choice or "auto"
+    tools = tool_definitions([msgspec.to_builtins(t) for t in body.tools or []],
+                             NamedTool(choice.function.name) if isinstance(choice, NamedToolChoice) else choice)
+    schema = body.response_format.json_schema.schema if isinstance(body.response_format,
+                                                                   ResponseFormatJSONSchema) else None
+    return Plan(
+        model=body.model,
+        prompt=chat_input(body),
+        sampling=sampling_params(body, (body.top_logprobs or 0) if body.logprobs else None),
+        stops=nonempty_stops(body.stop_strings(), "stop"),
+        stream=body.stream,
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+        max_tokens_param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
+        tools=tools,
+        force_tool_call=choice == "required" or isinstance(choice, NamedToolChoice),
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        json_output=isinstance(body.response_format, (ResponseFormatJSONObject, ResponseFormatJSONSchema)),
+        json_schema=schema,
+    )
 
 
-def tool_definitions(body: ChatCompletionRequest) -> list[dict] | None:
-    """The tools to render into the prompt: none with tool_choice "none", only
-    the named one with a named tool_choice."""
-    if not body.tools or body.tool_choice == "none":
-        if isinstance(body.tool_choice, NamedToolChoice) or body.tool_choice == "required":
-            raise APIError(400, "tool_choice needs tools", param="tool_choice")
-        return None
-    tools = [msgspec.to_builtins(t) for t in body.tools]
-    if isinstance(body.tool_choice, NamedToolChoice):
-        return named_tool(tools, body.tool_choice.function.name)
-    return tools
-
-
-def chat_grammar(body: ChatCompletionRequest, tools: list[dict] | None, family: str) -> str | None:
-    """The grammar a chat request's output must follow: its response_format, or a
-    forced tool call (tool_choice "required" or a named function)."""
-    forced = body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice)
-    structured = isinstance(body.response_format, (ResponseFormatJSONObject, ResponseFormatJSONSchema))
-    if forced and structured:
-        raise APIError(400, "a forced tool_choice and a JSON response_format cannot both constrain the output",
-                       param="response_format")
-    if forced:
-        assert tools is not None  # tool_definitions refused a forced choice without tools
-        return forced_tool_call_grammar(tools, family)
-    if isinstance(body.response_format, ResponseFormatJSONSchema):
-        return json_schema_grammar(body.response_format.json_schema.schema)
-    if isinstance(body.response_format, ResponseFormatJSONObject):
-        return json_schema_grammar(None)
-    return None
+def completion_plan(body: CompletionRequest) -> Plan:
+    prompt = body.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt):
+        raise APIError(400, "a list of several prompts is not supported; send one request per prompt", param="prompt")
+    return Plan(
+        model=body.model,
+        prompt=prompt if isinstance(prompt, str) else [t for t in prompt if isinstance(t, int)],
+        sampling=sampling_params(body, body.logprobs),
+        stops=nonempty_stops(body.stop_strings(), "stop"),
+        stream=body.stream,
+        max_tokens=body.max_tokens,
+    )
 
 
 class OpenAIAPI:
@@ -174,101 +148,20 @@ class OpenAIAPI:
         return MsgspecResponse(body)
 
     async def chat_completions(self, request: Request) -> Response:
-        body: ChatCompletionRequest = decode_body(await self.serving.read_body(request), ChatCompletionRequest)
-        stop = nonempty_stops(body.stop_strings(), "stop")
-        for i, m in enumerate(body.messages):
-            if m.role != "assistant" and m.content is None:
-                raise APIError(400, f"messages[{i}] ({m.role}) needs content", param=f"messages[{i}].content")
-        if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        tools = tool_definitions(body)
-        worker = await self.serving.worker_for(body.model)
-        messages, images = template_messages(body.messages, worker.hello.vision)
-        prompt = await self.serving.chat_prompt(worker, messages, tools, body.chat_template_kwargs, images)
-        requested = body.max_completion_tokens or body.max_tokens
-        max_tokens = self.serving.max_tokens(
-            prompt.token_ids, requested, worker, "messages", "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        )
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        output = ChatOutput(body.model, parallel_tool_calls=body.parallel_tool_calls is not False)
-        family = worker.tokenizer.tool_family
-        grammar = chat_grammar(body, tools, family)
-        parsers = stream_parsers(worker.tokenizer.reasoning_markers, family, prompt.text, bool(tools))
-        generation = self.serving.start(
-            request, worker, output.id, prompt,
-            samplings(body, max_tokens, logprobs, worker, grammar), stop, parsers,
-        )
-        return await self.respond(request, body, generation, output)
+        body = decode_body(await self.serving.read_body(request), ChatCompletionRequest)
+        return await self.serving.respond(request, chat_plan(body), ChatOutput(body.model, _include_usage(body)))
 
     async def completions(self, request: Request) -> Response:
-        body: CompletionRequest = decode_body(await self.serving.read_body(request), CompletionRequest)
-        stop = nonempty_stops(body.stop_strings(), "stop")
-        prompt_in = body.prompt
-        if isinstance(prompt_in, list) and len(prompt_in) == 1 and isinstance(prompt_in[0], str):
-            prompt_in = prompt_in[0]
-        if isinstance(prompt_in, list) and not all(isinstance(t, int) for t in prompt_in):
-            raise APIError(400, "a list of several prompts is not supported; send one request per prompt", param="prompt")
-        worker = await self.serving.worker_for(body.model)
-        if isinstance(prompt_in, str):
-            prompt = Prompt(prompt_in, await self.serving.tokenize(worker.tokenizer.encode_text, prompt_in,
-                                                                   param="prompt"))
-        else:
-            vocab = worker.hello.vocab_size
-            token_ids = [t for t in prompt_in if isinstance(t, int)]  # all of them (checked above)
-            bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
-            prompt = Prompt("", token_ids)
-        max_tokens = self.serving.max_tokens(prompt.token_ids, body.max_tokens, worker, "prompt")
-        output = CompletionOutput(body.model)
-        generation = self.serving.start(
-            request, worker, output.id, prompt, samplings(body, max_tokens, body.logprobs, worker),
-            stop,
-        )
-        return await self.respond(request, body, generation, output)
-
-    async def respond(self, request: Request, body: GenerationRequest, generation: Generation, output) -> Response:
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStream(self._events(generation, output, include_usage), generation)
-        choices = await collect(request, generation, self.serving)
-        if choices is None:
-            return Response(status_code=499)  # nobody is listening
-        self.serving.log_completion(output.id, [c.text for c in choices])
-        usage = _usage(generation)
-        return MsgspecResponse(output.response(choices, usage))
-
-    async def _events(self, generation: Generation, output, include_usage: bool) -> AsyncIterator[bytes]:
-        sent: list[str] = []
-        try:
-            for index in range(len(generation.group.streams)):
-                if (first := output.first_chunk(index)) is not None:
-                    yield sse(first)
-            try:
-                async for delta in generation.deltas():
-                    if delta.error is not None:
-                        yield sse(error_body(delta.error, openai_error_type(delta.error_status)))
-                        break
-                    if delta.reasoning:
-                        yield sse(output.reasoning_chunk(delta.index, delta.reasoning))
-                    if delta.text or delta.logprobs:
-                        yield sse(output.chunk(delta.index, delta.text, None, delta.logprobs))
-                        sent.append(delta.text)
-                    if delta.tool_calls:
-                        yield sse(output.tool_calls_chunk(delta.index, delta.tool_calls))
-                    if delta.finish_reason is not None:
-                        yield sse(output.chunk(delta.index, None, delta.finish_reason, []))
-            except TimeoutError:
-                yield sse(error_body(self.serving.timed_out(), "timeout", code="timeout"))
-            if include_usage:
-                yield sse(output.usage_chunk(_usage(generation)))
-            yield DONE
-        finally:
-            self.serving.log_completion(output.id, ["".join(sent)])
+        body = decode_body(await self.serving.read_body(request), CompletionRequest)
+        return await self.serving.respond(request, completion_plan(body), CompletionOutput(body.model,
+                                                                                         _include_usage(body)))
 
 
-def _usage(generation: Generation) -> Usage:
-    group = generation.group
+def _include_usage(body: GenerationRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+def _usage(group: RequestGroup) -> Usage:
     return Usage(group.prompt_tokens, group.completion_tokens, group.prompt_tokens + group.completion_tokens,
                  PromptTokensDetails(group.cached_tokens))
 
@@ -277,36 +170,79 @@ def _token_bytes(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-class _Output:
-    """Builds one request's response bodies; one subclass per endpoint."""
+class _Output(abc.ABC):
+    """One request's renderer (serving.Renderer): its SSE chunks and body; one subclass per endpoint."""
 
     prefix = ""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, include_usage: bool) -> None:
         self.id = f"{self.prefix}{uuid.uuid4().hex}"
         self.model = model
         self.created = int(time.time())
+        self.include_usage = include_usage
+        self._opened: set[int] = set()
+
+    def opening(self, group: RequestGroup) -> list[bytes]:
+        return []
+
+    def delta(self, delta: Delta) -> list[bytes]:
+        out = []
+        if delta.index not in self._opened:
+            self._opened.add(delta.index)
+            if (first := self.first_chunk(delta.index)) is not None:
+                out.append(sse(first))
+        out += self.content_chunks(delta)
+        if delta.finish_reason is not None:
+            out.append(sse(self.chunk(delta.index, None, delta.finish_reason, [])))
+        return out
+
+    def content_chunks(self, delta: Delta) -> list[bytes]:
+        if delta.text or delta.logprobs:
+            return [sse(self.chunk(delta.index, delta.text, None, delta.logprobs))]
+        return []
+
+    def ending(self, group: RequestGroup, error: APIError | None) -> list[bytes]:
+        out = [sse(error_body(error.message, error.type, code=error.code))] if error is not None else []
+        if self.include_usage:
+            out.append(sse(self.usage_chunk(_usage(group))))
+        return out + [DONE]
+
+    def body(self, choices: list[Choice], group: RequestGroup) -> msgspec.Struct:
+        return self.response(choices, _usage(group))
+
+    def first_chunk(self, index: int) -> msgspec.Struct | None:
+        return None
+
+    @abc.abstractmethod
+    def chunk(self, index: int, text: str | None, finish_reason: str | None,
+              logprobs: list[TokenInfo]) -> msgspec.Struct: ...
+
+    @abc.abstractmethod
+    def usage_chunk(self, usage: Usage) -> msgspec.Struct: ...
+
+    @abc.abstractmethod
+    def response(self, choices: list[Choice], usage: Usage) -> msgspec.Struct: ...
 
 
 class ChatOutput(_Output):
     prefix = "chatcmpl-"
 
-    def __init__(self, model: str, parallel_tool_calls: bool = True) -> None:
-        super().__init__(model)
-        self.parallel_tool_calls = parallel_tool_calls
+    def __init__(self, model: str, include_usage: bool) -> None:
+        super().__init__(model, include_usage)
         self._calls_sent: dict[int, int] = {}
 
-    def _allowed(self, index: int, calls: list[ToolCall]) -> list[ToolCall]:
-        """With parallel_tool_calls false, only a choice's first call."""
-        if self.parallel_tool_calls:
-            return calls
-        return calls[: max(1 - self._calls_sent.get(index, 0), 0)]
+    def content_chunks(self, delta: Delta) -> list[bytes]:
+        """Reasoning, text, then tool calls."""
+        out = [sse(self._reasoning_chunk(delta.index, delta.reasoning))] if delta.reasoning else []
+        out += super().content_chunks(delta)
+        if delta.tool_calls:
+            out.append(sse(self._tool_calls_chunk(delta.index, delta.tool_calls)))
+        return out
 
-    def reasoning_chunk(self, index: int, reasoning: str) -> ChatCompletionChunk:
+    def _reasoning_chunk(self, index: int, reasoning: str) -> ChatCompletionChunk:
         return self._chunk([ChatChunkChoice(index, ChatDelta(reasoning_content=reasoning))])
 
-    def tool_calls_chunk(self, index: int, calls: list[ToolCall]) -> ChatCompletionChunk | None:
-        calls = self._allowed(index, calls)
+    def _tool_calls_chunk(self, index: int, calls: list[ToolCall]) -> ChatCompletionChunk:
         first = self._calls_sent.get(index, 0)
         self._calls_sent[index] = first + len(calls)
         return self._chunk([ChatChunkChoice(index, ChatDelta(tool_calls=[
@@ -340,13 +276,13 @@ class ChatOutput(_Output):
     def response(self, choices: list[Choice], usage: Usage) -> ChatCompletion:
         return ChatCompletion(self.id, self.created, self.model, [
             # Every choice of a collected response has finished.
-            ChatChoice(i, self._message(i, c), cast(str, c.finish_reason),
+            ChatChoice(i, self._message(c), cast(str, c.finish_reason),
                        self._logprobs(c.logprobs) if c.logprobs else None)
             for i, c in enumerate(choices)
         ], usage)
 
-    def _message(self, index: int, choice: Choice) -> AssistantMessage:
-        calls = self._allowed(index, choice.tool_calls)
+    def _message(self, choice: Choice) -> AssistantMessage:
+        calls = choice.tool_calls
         return AssistantMessage(
             "assistant",
             None if calls and not choice.text.strip() else choice.text,
@@ -368,9 +304,6 @@ class CompletionOutput(_Output):
         return CompletionLogprobs(
             [t.text for t in tokens], [t.logprob for t in tokens], [dict(t.top) for t in tokens], offsets
         )
-
-    def first_chunk(self, index: int) -> None:
-        return None
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, logprobs: list[TokenInfo]):
         return Completion(self.id, "text_completion", self.created, self.model, [

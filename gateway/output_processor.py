@@ -1,10 +1,10 @@
-"""Every unfinished request's output side: per worker step, turn each request's
-new tokens into a Delta (detokenize, stop strings, reasoning and tool-call
-parsing: RequestStream.render) and deliver it to the request's queue.
+"""Every request's output side: its state, and per worker step its tokens
+turned into Deltas (detokenize, stop strings, reasoning and tool calls)
+delivered to the queue its API handler reads.
 
-It sends nothing: `process` returns the requests the worker must be told to
-abort (a stop string ended them, which the worker cannot see), and the link
-sends that. So the whole output path is testable without a socket.
+The processor sends nothing: `process` returns the requests the worker must
+be told to abort (a stop string ended them, which the worker cannot see), and
+the link sends that. So the whole output path is testable without a socket.
 
 Runs on the event loop: a step's worth of detokenizing (tens of microseconds a
 request) costs less there than the hop to a thread and back, which the GIL
@@ -13,54 +13,249 @@ would serialize anyway (measured: 8-14% less gateway CPU per token).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import enum
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
 
-from gateway.generation import RequestStream
-from protocol import StepOutput
+import msgspec
+
+from gateway.parsing import ReasoningSplitter, StopMatcher, ToolCall, ToolCallParser
+from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
+from protocol import AddRequest, RequestOutput, Sampling, StepOutput, Tensor, TokenLogprob
+
+
+@dataclass(slots=True)
+class TokenInfo:
+    """One generated token's text and log-probabilities, for an API's logprobs."""
+
+    text: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+@dataclass(slots=True)
+class Delta:
+    text: str  # content
+    index: int = 0  # which of the group's choices
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    # "stop" (EOS, stop token or stop string), "length", "tool_calls", or "error"
+    finish_reason: str | None = None
+    stop_string: str | None = None  # the stop string that ended it, if one did
+    logprobs: list[TokenInfo] = field(default_factory=list)
+    error: str | None = None
+    # The HTTP status an error maps to when no 200 has been sent yet.
+    error_status: int = 500
+
+
+class RequestStatus(enum.Enum):
+    RUNNING = "running"  # in the worker, or waiting for the next one to resume on
+    FINISHED = "finished"  # the worker ended it (EOS, stop token, length)
+    STOPPED = "stopped"  # a stop string ended it here; the worker is told to drop it
+    FAILED = "failed"  # ended with an error its client sees
+    ABORTED = "aborted"  # its client is done with it before its end; the worker is told to drop it
+
+
+class RequestState:
+    """One request (one choice of an API request) from submission to its end."""
+
+    def __init__(
+        self,
+        request_id: str,
+        queue: asyncio.Queue[Delta],
+        prompt: list[int],
+        sampling: Sampling,
+        tokenizer: Tokenizer,
+        stop: list[str],
+        index: int = 0,
+        reasoning: ReasoningSplitter | None = None,
+        tools: ToolCallParser | None = None,
+        images: tuple[list[Tensor], list] = ([], []),
+    ) -> None:
+        self.request_id = request_id
+        self.index = index
+        self.prompt = prompt
+        self.sampling = sampling
+        self.status = RequestStatus.RUNNING
+        # The image tensors the prompt's placeholders stand for, and their
+        # arrays: kept until the request ends, since a resumed request needs them again.
+        self.tensors, self.buffers = images
+        # Every token the worker produced, so that a lost worker's requests
+        # can continue on the next one from exactly where they were.
+        self.generated: list[int] = []
+        self.worker_losses = 0
+        self.cached_tokens = 0  # prompt tokens the worker took from its prefix cache
+        # The weights it runs on (Hello.model_digest): it resumes only on the same.
+        self.model_digest = ""
+        self.queue = queue  # shared by the streams of one API request: their RequestGroup reads it
+        self._tokenizer = tokenizer
+        self._reasoning = reasoning
+        self._tools = tools
+        self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=not (reasoning or tools))
+        self._stops = StopMatcher(stop)
+
+    @property
+    def running(self) -> bool:
+        return self.status is RequestStatus.RUNNING
+
+    def render(self, output: RequestOutput) -> Delta:
+        """The text this step adds; the final Delta sets the status."""
+        token_ids = output.token_ids
+        if output.cached_tokens is not None and not self.generated:
+            self.cached_tokens = output.cached_tokens
+        self.generated += token_ids
+        if output.finish_reason == "stop":
+            token_ids = token_ids[:-1]
+        final = output.finish_reason is not None
+        text = self._detokenizer.add(token_ids)
+        if final:
+            text += self._detokenizer.flush()
+        text, stop = self._stops.feed(text, final)
+        ended = final or stop is not None
+        if ended:
+            self.status = RequestStatus.STOPPED if stop is not None and not final else RequestStatus.FINISHED
+        reasoning = ""
+        if self._reasoning is not None:
+            reasoning, text = self._reasoning.feed(text, ended)
+        calls: list[ToolCall] = []
+        if self._tools is not None:
+            text, calls = self._tools.feed(text, ended)
+        finish: str | None = "stop" if stop is not None else output.finish_reason
+        if finish == "stop" and self._tools is not None and self._tools.calls:
+            finish = "tool_calls"
+        logprobs = self._token_infos(token_ids, output.logprobs) if output.logprobs else []
+        return Delta(text, self.index, reasoning, calls, finish, stop, logprobs)
+
+    def _token_infos(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> list[TokenInfo]:
+        decode = self._tokenizer.decode
+        return [
+            TokenInfo(decode([t]), lp.logprob, [(decode([a]), alp) for a, alp in zip(lp.top_ids, lp.top_logprobs)])
+            for t, lp in zip(token_ids, logprobs)
+        ]
+
+    def add_request(self) -> AddRequest:
+        """The request for a worker: the whole of it, or after a lost worker,
+        the rest of it (the prompt followed by what was already generated)."""
+        if not self.generated:
+            return AddRequest(self.request_id, self.prompt, self.sampling, self.tensors)
+        rest = msgspec.structs.replace(self.sampling, max_tokens=self.sampling.max_tokens - len(self.generated))
+        return AddRequest(self.request_id, self.prompt + self.generated, rest, self.tensors)
+
+    def fail(self, message: str, status: int) -> Delta:
+        self.status = RequestStatus.FAILED
+        return Delta("", self.index, finish_reason="error", error=message, error_status=status)
 
 
 class OutputProcessor:
+    """The running requests, by id: each is here from submission until its status leaves RUNNING."""
+
     def __init__(self) -> None:
-        self._requests: dict[str, RequestStream] = {}
+        self._requests: dict[str, RequestState] = {}
 
-    def add(self, stream: RequestStream) -> None:
-        self._requests[stream.request_id] = stream
+    def add(self, state: RequestState) -> None:
+        self._requests[state.request_id] = state
 
-    def get(self, request_id: str) -> RequestStream | None:
+    def get(self, request_id: str) -> RequestState | None:
         return self._requests.get(request_id)
 
     def __len__(self) -> int:
         return len(self._requests)
 
-    def __iter__(self) -> Iterator[RequestStream]:
-        """The unfinished requests (a copy: ending one while iterating is fine)."""
+    def __iter__(self) -> Iterator[RequestState]:
+        """The running requests (a copy: ending one while iterating is fine)."""
         return iter(list(self._requests.values()))
 
     def process(self, step: StepOutput) -> list[str]:
         """Deliver one worker step's outputs; return the ids to abort in the worker."""
         aborts = []
         for output in step.outputs:
-            stream = self._requests.get(output.request_id)
-            if stream is None:
+            state = self._requests.get(output.request_id)
+            if state is None:
                 continue  # ended here already (aborted, failed): the worker had not heard yet
-            delta = stream.render(output)
-            if delta is None:
-                continue
-            stream.queue.put_nowait(delta)
-            if delta.finish_reason is not None:
-                del self._requests[stream.request_id]
-                if delta.abort_worker:
-                    aborts.append(stream.request_id)
+            state.queue.put_nowait(state.render(output))
+            if not state.running:
+                del self._requests[state.request_id]
+                if state.status is RequestStatus.STOPPED:
+                    aborts.append(state.request_id)
         return aborts
 
-    def forget(self, request_id: str) -> bool:
-        """Drop a request without a word to its client (it is going away); True if it was here."""
-        return self._requests.pop(request_id, None) is not None
+    def abort(self, request_id: str) -> bool:
+        """Its client is done with it (no word to the client); True if it was running."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        state.status = RequestStatus.ABORTED
+        return True
 
     def fail(self, request_id: str, message: str, status: int) -> bool:
-        """End a request with an error its client sees; True if it was here."""
-        stream = self._requests.pop(request_id, None)
-        if stream is None:
+        """End a running request with an error its client sees; True if it was running."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
             return False
-        stream.queue.put_nowait(stream.fail(message, status))
+        state.queue.put_nowait(state.fail(message, status))
         return True
+
+
+def _plain(delta: Delta) -> bool:
+    """Text (or reasoning) only: safe to merge with the next one of its choice."""
+    return delta.finish_reason is None and not delta.tool_calls
+
+
+class RequestGroup:
+    """The requests of one API request (n > 1 samples n of them), read as one."""
+
+    def __init__(self, states: list[RequestState], queue: asyncio.Queue[Delta]) -> None:
+        """`queue`: the one every request of the group delivers to."""
+        self.states = states
+        self.queue = queue
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.states[0].prompt)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(s.generated) for s in self.states)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.states[0].cached_tokens
+
+    def end(self, message: str, status: int) -> None:
+        """Make the reader's next Delta an error that ends the group (cancel,
+        shutdown): one for every choice, so that one still open gets it."""
+        for state in self.states:
+            self.queue.put_nowait(Delta("", state.index, finish_reason="error", error=message, error_status=status))
+
+    async def deltas(self, deadline: float | None = None) -> AsyncIterator[Delta]:
+        """Every Delta of every request until each has its final one.
+
+        Text that piled up while the client was slower than the worker comes
+        as one Delta: one event instead of many, less work per token just
+        when the gateway is behind. Raises TimeoutError at `deadline`
+        (event-loop time) if not finished.
+        """
+        loop = asyncio.get_running_loop()
+        backlog: deque[Delta] = deque()
+        open_choices = set(range(len(self.states)))
+        while open_choices:
+            if backlog:
+                delta = backlog.popleft()
+            else:
+                timeout = None if deadline is None else max(deadline - loop.time(), 0)
+                delta = await asyncio.wait_for(self.queue.get(), timeout)
+            while _plain(delta) and not self.queue.empty():
+                waiting = self.queue.get_nowait()
+                if waiting.index != delta.index or not _plain(waiting):
+                    backlog.append(waiting)
+                    break
+                delta.text += waiting.text
+                delta.reasoning += waiting.reasoning
+                delta.logprobs += waiting.logprobs
+            if delta.index not in open_choices:
+                continue  # e.g. an error that crossed the final delta
+            if delta.finish_reason is not None:
+                open_choices.discard(delta.index)
+            yield delta

@@ -1,7 +1,7 @@
-"""Reasoning and tool calls in model output, parsed as it streams.
+"""Stop strings, reasoning and tool calls in model output, parsed as it streams.
 
-Both work on text deltas and hold back only what might be the start of a
-marker, so ordinary text streams through without delay.
+Each works on text deltas and holds back only what might be the start of a
+marker (or of a stop string), so ordinary text streams through without delay.
 """
 
 from __future__ import annotations
@@ -17,6 +17,34 @@ def _held_prefix(text: str, marker: str) -> int:
         if text.endswith(marker[:n]):
             return n
     return 0
+
+
+class StopMatcher:
+    """Finds stop strings across token boundaries and never lets one out.
+
+    Holds back the last len(longest stop) - 1 characters, which may be the
+    start of a stop string still arriving.
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self._stops = stops
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self._pending = ""
+
+    def feed(self, text: str, final: bool) -> tuple[str, str | None]:
+        """(text safe to emit, the stop string hit or None)."""
+        self._pending += text
+        hits = [(i, s) for s in self._stops if (i := self._pending.find(s)) >= 0]
+        if hits:
+            at, stop = min(hits)
+            out, self._pending = self._pending[:at], ""
+            return out, stop
+        if final or not self._hold:
+            out, self._pending = self._pending, ""
+        else:
+            cut = max(len(self._pending) - self._hold, 0)
+            out, self._pending = self._pending[:cut], self._pending[cut:]
+        return out, None
 
 
 class ReasoningSplitter:
@@ -192,3 +220,12 @@ def stream_parsers(markers: tuple[str, str] | None, family: str, prompt_text: st
                 ToolCallParser(family) if with_tools else None)
 
     return make
+
+
+def arguments_object(arguments: str) -> dict | None:
+    """A tool call's arguments (JSON text) as an object; None when they are not one."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None

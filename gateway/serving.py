@@ -1,10 +1,12 @@
-"""What every API endpoint does around a generation, whatever its dialect.
+"""The one way an API request is served, whatever its dialect.
 
-Read the body within limits, wait (bounded) for a ready worker, check the
-model name, tokenize off the event loop, check the context, admit the request
-(in-flight limits, decided before any 200), submit its streams to the worker,
-and make sure that however it ends — finished, client gone, timed out — the
-worker is told and the admission released.
+An API turns its body into a `Plan` (gateway/plan.py) and hands it over with
+its `Renderer`, the dialect's hooks. `Serving.respond` then: waits (bounded)
+for a ready worker, checks the model name, tokenizes off the event loop,
+checks the context, builds the samplings, and runs the request through
+`generate` — the async iterator that admits it, submits it, yields its
+Deltas, and in its `finally` aborts whatever still runs in the worker — into
+SSE events or one body, through the Renderer.
 """
 
 from __future__ import annotations
@@ -13,142 +15,66 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import Response
 
+from gateway.admission import Admission
 from gateway.errors import APIError, openai_error_type
-from gateway.generation import Delta, RequestGroup, RequestStream, TokenInfo
-from gateway.images import ImageLoader, ImageSource
+from gateway.images import ImageLoader
 from gateway.metrics import Metrics
-from gateway.parsing import ToolCall
+from gateway.output_processor import Delta, RequestGroup, RequestState, TokenInfo
+from gateway.parsing import ToolCall, stream_parsers
+from gateway.plan import ChatInput, Plan
+from gateway.responses import EventStream, MsgspecResponse
 from gateway.settings import GatewaySettings
 from gateway.tokenizer import Prompt, PromptError
 from gateway.worker_link import WorkerLink, WorkerState, WorkerUnavailable
-from protocol import Sampling
 
 log = logging.getLogger("mlxd.gateway.api")
 T = TypeVar("T")
-
-
-def nonempty_stops(stops: list[str], param: str) -> list[str]:
-    """A request's stop strings; an empty one (which would end every request at once) is a 400."""
-    if any(not s for s in stops):
-        raise APIError(400, f"{param}: stop strings must not be empty", param=param)
-    return stops
 
 
 def unavailable(message: str) -> APIError:
     return APIError(503, message, type="service_unavailable", code="worker_unavailable", headers={"Retry-After": "5"})
 
 
-class Admission:
-    """Requests in flight, in total and per client (API key, or address without keys)."""
+@dataclass
+class Choice:
+    """One choice of a finished non-streaming request."""
 
-    def __init__(self, total: int, per_client: int) -> None:
-        self.limit_total = total
-        self.limit_per_client = per_client
-        self.total = 0
-        self.by_client: Counter[str] = Counter()
-
-    def admit(self, client_id: str):
-        """Count the request in; return the function that counts it out (once)."""
-        if self.by_client[client_id] >= self.limit_per_client:
-            raise APIError(
-                429, f"too many requests in flight for this client (limit {self.limit_per_client})",
-                type="requests", code="rate_limit_exceeded", headers={"Retry-After": "1"},
-            )
-        if self.total >= self.limit_total:
-            raise APIError(
-                503, f"the server is at its limit of {self.limit_total} requests in flight",
-                type="service_unavailable", code="overloaded", headers={"Retry-After": "1"},
-            )
-        self.total += 1
-        self.by_client[client_id] += 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self.total -= 1
-                self.by_client[client_id] -= 1
-                if not self.by_client[client_id]:
-                    del self.by_client[client_id]
-
-        return release
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_string: str | None = None
+    logprobs: list[TokenInfo] = field(default_factory=list)
 
 
-class Generation:
-    """One admitted API request running in the worker: its streams, its deadline, its cleanup."""
+class Renderer(Protocol):
+    """A dialect's hooks: how its API writes one request's output."""
 
-    def __init__(self, group: RequestGroup, link: WorkerLink, release, deadline: float | None,
-                 metrics: Metrics, arrived: float, client_id: str, on_close=None) -> None:
-        self.group = group
-        self.client_id = client_id
-        self._on_close = on_close
-        self.deadline = deadline
-        self._link = link
-        self._release = release
-        self._metrics = metrics
-        self._arrived = arrived
-        self._closed = False
+    id: str  # the request's id, as its client sees it
 
-    async def deltas(self):
-        """The group's Deltas, timed for /metrics (time to first token, inter-token latency)."""
-        last: dict[int, float] = {}
-        async for delta in self.group.deltas(self.deadline):
-            if delta.text or delta.reasoning or delta.tool_calls:
-                now = time.monotonic()
-                if delta.index in last:
-                    self._metrics.inter_token_latency.observe(now - last[delta.index])
-                else:
-                    self._metrics.time_to_first_token.observe(now - self._arrived)
-                last[delta.index] = now
-            yield delta
+    def opening(self, group: RequestGroup) -> list[bytes]:
+        """The SSE events before any Delta."""
+        ...
 
-    def close(self) -> None:
-        """However the request ended: free its admission, abort what still runs. Idempotent."""
-        self._release()
-        for stream in self.group.streams:
-            if not stream.finished:
-                self._link.abort(stream.request_id)
-        if not self._closed:
-            self._closed = True
-            self._metrics.prompt_tokens += self.group.prompt_tokens
-            self._metrics.generation_tokens += self.group.completion_tokens
-            if self._on_close is not None:
-                self._on_close()
+    def delta(self, delta: Delta) -> list[bytes]:
+        """The SSE events for one Delta (the first of each choice has no text: it opens the choice)."""
+        ...
 
-    def cancel(self) -> None:
-        """POST /v1/requests/{id}/cancel: abort every unfinished stream; the
-        client gets an error event (streaming) or a 499."""
-        for stream in self.group.streams:
-            if not stream.finished:
-                self._link.abort(stream.request_id)
-                self.group.queue.put_nowait(stream.fail("the request was cancelled", 499))
+    def ending(self, group: RequestGroup, error: APIError | None) -> list[bytes]:
+        """The last SSE events: after every choice finished, or after an error."""
+        ...
 
-
-class EventStream(StreamingResponse):
-    """SSE that closes its Generation however the response ends, even when the
-    client leaves before the first event (when the body iterator never started
-    and so never ran its own cleanup)."""
-
-    def __init__(self, events, generation: Generation) -> None:
-        super().__init__(
-            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        )
-        self._generation = generation
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._generation.close()
+    def body(self, choices: list[Choice], group: RequestGroup) -> Any:
+        """The body of a non-streaming response."""
+        ...
 
 
 class Serving:
@@ -162,7 +88,8 @@ class Serving:
         self.admission = Admission(settings.max_inflight, settings.max_inflight_per_key)
         self.metrics = Metrics()
         self.images = ImageLoader(settings)
-        self.generations: dict[str, Generation] = {}  # by the id the client sees, for cancellation
+        # Requests being generated, by the id their client sees (for cancel) -> (client id, group).
+        self.running: dict[str, tuple[str, RequestGroup]] = {}
 
     async def read_body(self, request: Request) -> bytes:
         """The body, within --max-body-bytes (413) and --body-timeout-s (408)."""
@@ -229,15 +156,6 @@ class Serving:
         except PromptError as e:
             raise APIError(400, str(e), param=param) from None
 
-    async def chat_prompt(self, worker: WorkerState, messages: list[dict], tools: list[dict] | None,
-                          template_kwargs: dict | None, images: list[ImageSource]) -> Prompt:
-        """A chat request's prompt; `images` are its image parts, in order."""
-        if images and not worker.hello.vision:
-            raise APIError(400, "image inputs are not supported: the served model is text-only",
-                           param=images[0].param, code="unsupported_content")
-        decoded = await self.images.load(images) if images else None
-        return await self.tokenize(worker.tokenizer.chat_prompt, messages, tools, template_kwargs, decoded)
-
     def max_tokens(self, prompt: list[int], requested: int | None, worker: WorkerState, prompt_param: str,
                    max_tokens_param: str = "max_tokens") -> int:
         """How many tokens the request may generate; 400 when it cannot fit."""
@@ -258,99 +176,195 @@ class Serving:
         room = min(context - len(prompt), limit or context)
         return min(requested or room, room)
 
-    def start(self, request: Request, worker: WorkerState, request_id: str, prompt: Prompt,
-              samplings: list[Sampling], stop: list[str], parsers=None) -> Generation:
-        """Admit the request and submit one stream per sampling to the worker.
 
-        parsers: a function making each stream's (reasoning splitter, tool-call parser), either None.
+    async def prompt(self, worker: WorkerState, plan: Plan) -> Prompt:
+        """The plan's prompt as token ids (a 400 for one that cannot be made)."""
+        source = plan.prompt
+        if isinstance(source, str):
+            return Prompt(source, await self.tokenize(worker.tokenizer.encode_text, source, param="prompt"))
+        if isinstance(source, list):
+            vocab = worker.hello.vocab_size
+            bad = next((t for t in source if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+            return Prompt("", source)
+        if source.images and not worker.hello.vision:
+            raise APIError(400, "image inputs are not supported: the served model is text-only",
+                           param=source.images[0].param, code="unsupported_content")
+        decoded = await self.images.load(source.images) if source.images else None
+        return await self.tokenize(worker.tokenizer.chat_prompt, source.messages, plan.tools,
+                                   source.template_kwargs, decoded)
+
+    async def respond(self, request: Request, plan: Plan, renderer: Renderer) -> Response:
+        """Serve one API request: SSE events or one body, written by the renderer."""
+        worker = await self.worker_for(plan.model)
+        prompt = await self.prompt(worker, plan)
+        group = self._group(worker, plan, prompt, renderer.id)
+        deltas = self.generate(request, plan, group, renderer.id)
+        if plan.stream:
+            # Admitted and submitted before any 200: a refusal is still a 4xx/5xx.
+            opening = await anext(deltas)
+            return EventStream(self._events(renderer, group, opening, deltas), deltas)
+        try:
+            choices = await collect(request, deltas, len(group.states))
+        except TimeoutError:
+            raise self.timed_out() from None
+        if choices is None:
+            return Response(status_code=499)  # nobody is listening
+        self._log_completion(renderer.id, [c.text for c in choices])
+        return MsgspecResponse(renderer.body(choices, group))
+
+    def _group(self, worker: WorkerState, plan: Plan, prompt: Prompt, request_id: str) -> RequestGroup:
+        """One RequestState per choice, with its sampling, stop strings and parsers."""
+        max_tokens = self.max_tokens(prompt.token_ids, plan.max_tokens, worker, plan.prompt_param,
+                                     plan.max_tokens_param)
+        family = worker.tokenizer.tool_family
+        samplings = plan.sampling.samplings(worker.sampling, worker.hello.vocab_size, max_tokens,
+                                            plan.grammar(family))
+        parsers = (stream_parsers(worker.tokenizer.reasoning_markers, family, prompt.text, bool(plan.tools))
+                   if isinstance(plan.prompt, ChatInput) else None)
+        ids = [request_id] if len(samplings) == 1 else [f"{request_id}-{i}" for i in range(len(samplings))]
+        queue: asyncio.Queue[Delta] = asyncio.Queue()
+        states = []
+        for index, (rid, sampling) in enumerate(zip(ids, samplings)):
+            reasoning, tools = parsers() if parsers else (None, None)
+            states.append(RequestState(rid, queue, prompt.token_ids, sampling, worker.tokenizer, plan.stops, index,
+                                       reasoning, tools, images=(prompt.tensors, prompt.arrays)))
+        if self.settings.log_prompts:
+            log.info("%s prompt: %r", request_id, worker.tokenizer.decode(prompt.token_ids))
+        return RequestGroup(states, queue)
+
+    async def generate(self, request: Request, plan: Plan, group: RequestGroup,
+                       request_id: str) -> AsyncGenerator[Delta]:
+        """Admit the request (429/503), submit its choices to the worker, and
+        yield first an empty Delta opening each choice, then every Delta until
+        each choice has its final one.
+
+        However it ends — finished, client gone, timed out, cancelled, failed —
+        its `finally` aborts in the worker what still runs there and releases
+        the admission. Nothing else aborts a request for its client.
         """
         client_id = request.scope["state"]["client_id"]
         release = self.admission.admit(client_id)
-        ids = [request_id] if len(samplings) == 1 else [f"{request_id}-{i}" for i in range(len(samplings))]
-        queue: asyncio.Queue[Delta] = asyncio.Queue()
-        streams = []
-        for index, (rid, sampling) in enumerate(zip(ids, samplings)):
-            reasoning, tools = parsers() if parsers else (None, None)
-            streams.append(RequestStream(rid, queue, prompt.token_ids, sampling, worker.tokenizer, stop, index,
-                                         reasoning, tools, images=(prompt.tensors, prompt.arrays)))
-        group = RequestGroup(streams, queue)
+        self.running[request_id] = (client_id, group)
         timeout = self.settings.request_timeout_s
         deadline = asyncio.get_running_loop().time() + timeout if timeout else None
         arrived = request.scope["state"].get("arrived", time.monotonic())
-        generation = Generation(group, self.link, release, deadline, self.metrics, arrived, client_id,
-                                on_close=lambda: self.generations.pop(request_id, None))
-        self.generations[request_id] = generation
+        last: dict[int, float] = {}  # when each choice last had text, for /metrics
+        calls: Counter[int] = Counter()  # tool calls returned per choice
         try:
-            for stream in group.streams:
-                self.link.submit(stream)
-        except WorkerUnavailable as e:
-            generation.close()
-            raise unavailable(str(e)) from None
-        if self.settings.log_prompts:
-            log.info("%s prompt: %r", request_id, worker.tokenizer.decode(prompt.token_ids))
-        return generation
+            try:
+                for state in group.states:
+                    self.link.submit(state)
+            except WorkerUnavailable as e:
+                raise unavailable(str(e)) from None
+            for state in group.states:
+                yield Delta("", state.index)
+            async for delta in group.deltas(deadline):
+                if delta.text or delta.reasoning or delta.tool_calls:
+                    now = time.monotonic()
+                    if delta.index in last:
+                        self.metrics.inter_token_latency.observe(now - last[delta.index])
+                    else:
+                        self.metrics.time_to_first_token.observe(now - arrived)
+                    last[delta.index] = now
+                if not plan.parallel_tool_calls:
+                    delta.tool_calls = delta.tool_calls[: max(1 - calls[delta.index], 0)]
+                calls[delta.index] += len(delta.tool_calls)
+                yield delta
+        finally:
+            self.link.abort([state.request_id for state in group.states if state.running])
+            release()
+            del self.running[request_id]
+            self.metrics.prompt_tokens += group.prompt_tokens
+            self.metrics.generation_tokens += group.completion_tokens
+
+    async def _events(self, renderer: Renderer, group: RequestGroup, opening: Delta,
+                      deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
+        texts = [""] * len(group.states)
+        error: APIError | None = None
+        try:
+            for event in renderer.opening(group) + renderer.delta(opening):
+                yield event
+            try:
+                async for delta in deltas:
+                    if delta.error is not None:
+                        error = delta_error(delta)
+                        break
+                    texts[delta.index] += delta.text
+                    for event in renderer.delta(delta):
+                        yield event
+            except TimeoutError:
+                error = self.timed_out()
+            for event in renderer.ending(group, error):
+                yield event
+        finally:
+            self._log_completion(renderer.id, texts)
 
     def cancel(self, request: Request, request_id: str) -> None:
-        """Cancel a running request of this client; 404 if there is none by that id."""
-        generation = self.generations.get(request_id)
-        if generation is None or generation.client_id != request.scope["state"]["client_id"]:
+        """Cancel a running request of this client (404 if there is none by
+        that id): its reader gets an error, and its generation ends there."""
+        client_id, group = self.running.get(request_id, (None, None))
+        if group is None or client_id != request.scope["state"]["client_id"]:
             raise APIError(404, f"no running request {request_id!r}", type="not_found_error", param="id")
-        generation.cancel()
+        group.end("the request was cancelled", 499)
 
-    def timed_out(self) -> str:
-        return f"the request ran longer than the server's limit of {self.settings.request_timeout_s:g}s and was stopped"
+    def end_all(self, message: str) -> None:
+        """End every running request with an error (the server is stopping)."""
+        for _, group in self.running.values():
+            group.end(message, 503)
 
-    def log_completion(self, request_id: str, texts: list[str]) -> None:
+    def timed_out(self) -> APIError:
+        return APIError(504, f"the request ran longer than the server's limit of {self.settings.request_timeout_s:g}s"
+                        " and was stopped", type="timeout", code="timeout")
+
+    def _log_completion(self, request_id: str, texts: list[str]) -> None:
         if self.settings.log_prompts:
             log.info("%s completion: %r", request_id, texts if len(texts) > 1 else texts[0])
 
 
-@dataclass
-class Choice:
-    """One choice of a finished non-streaming request."""
-
-    text: str = ""
-    reasoning: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_string: str | None = None
-    logprobs: list[TokenInfo] = field(default_factory=list)
+def delta_error(delta: Delta) -> APIError:
+    """The error a Delta carries, as the API error it maps to."""
+    assert delta.error is not None
+    if delta.error_status == 503:
+        return unavailable(delta.error)
+    return APIError(delta.error_status, delta.error, type=openai_error_type(delta.error_status))
 
 
-async def collect(request: Request, generation: Generation, serving: Serving) -> list[Choice] | None:
-    """Every choice's whole text; None if the client left first (the request is then aborted)."""
-    collecting = asyncio.ensure_future(_collect(generation))
+async def collect(request: Request, deltas: AsyncGenerator[Delta], n: int) -> list[Choice] | None:
+    """Every choice's whole text; None if the client left first (the generation is then closed)."""
+    collecting = asyncio.ensure_future(_collect(deltas, n))
     disconnected = asyncio.ensure_future(_client_gone(request))
     try:
         await asyncio.wait({collecting, disconnected}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        finished = collecting.done()
         disconnected.cancel()
         collecting.cancel()
-        generation.close()
-    if not collecting.done() or collecting.cancelled():
+        await asyncio.gather(collecting, disconnected, return_exceptions=True)
+    if not finished:
         return None
-    if isinstance(collecting.exception(), TimeoutError):
-        raise APIError(504, serving.timed_out(), type="timeout", code="timeout")
     return collecting.result()
 
 
-async def _collect(generation: Generation) -> list[Choice]:
-    choices = [Choice() for _ in generation.group.streams]
-    async for delta in generation.deltas():
-        if delta.error is not None:
-            if delta.error_status == 503:
-                raise unavailable(delta.error)
-            raise APIError(delta.error_status, delta.error, type=openai_error_type(delta.error_status))
-        choice = choices[delta.index]
-        choice.text += delta.text
-        choice.reasoning += delta.reasoning
-        choice.tool_calls += delta.tool_calls
-        choice.logprobs += delta.logprobs
-        if delta.finish_reason is not None:
-            choice.finish_reason, choice.stop_string = delta.finish_reason, delta.stop_string
+async def _collect(deltas: AsyncGenerator[Delta], n: int) -> list[Choice]:
+    choices = [Choice() for _ in range(n)]
+    async with aclosing(deltas):
+        async for delta in deltas:
+            if delta.error is not None:
+                raise delta_error(delta)
+            choice = choices[delta.index]
+            choice.text += delta.text
+            choice.reasoning += delta.reasoning
+            choice.tool_calls += delta.tool_calls
+            choice.logprobs += delta.logprobs
+            if delta.finish_reason is not None:
+                choice.finish_reason, choice.stop_string = delta.finish_reason, delta.stop_string
     return choices
 
 
 async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects. (Starlette's Request.is_disconnected
+    only polls; a non-streaming request must wait for it while it generates.)"""
     while (await request.receive())["type"] != "http.disconnect":
         pass

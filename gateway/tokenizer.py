@@ -48,10 +48,13 @@ class Prompt:
     arrays: list[np.ndarray] = field(default_factory=list)
 
 
-def template_content(parts: list[dict], vision: bool) -> str | list[dict]:
-    """A message's content for the chat template: vision models' templates
-    take a list of text and image parts, text models' a string."""
-    return parts if vision else "".join(p["text"] for p in parts if p["type"] == "text")
+def _template_content(content: str | list[dict], vision: bool) -> str | list[dict]:
+    """A message's content (text, or a list of text and image parts) as the
+    chat template takes it: vision models' templates take the parts, text
+    models' a string."""
+    if isinstance(content, str) or vision:
+        return content
+    return "".join(p["text"] for p in content if p["type"] == "text")
 
 
 def files_digest(files: dict[str, bytes]) -> str:
@@ -88,10 +91,15 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     template_kwargs: dict | None = None) -> str:
-        """The prompt text: messages (and tools) through the model's chat template."""
+        """The prompt text: messages (and tools) through the model's chat template.
+
+        A message's content is its text, or a list of parts ({"type": "text", "text": ...}, {"type": "image"}).
+        """
         if not self.has_chat_template:
             raise PromptError("this model has no chat template; use /v1/completions")
         template_tools: list[dict[str, Any] | Callable[..., Any]] | None = list(tools) if tools else None
+        vision = self.processor is not None
+        messages = [{**m, "content": _template_content(m["content"], vision)} for m in messages]
         try:
             text = self._tok.apply_chat_template(
                 messages, tools=template_tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})

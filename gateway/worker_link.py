@@ -27,9 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.generation import RequestStream
 from gateway.liveness import UNHEALTHY, Liveness, Vitals
-from gateway.output_processor import OutputProcessor
+from gateway.output_processor import OutputProcessor, RequestState
 from gateway.sampling_defaults import SamplingDefaults, sampling_defaults
 from gateway.tokenizer import Tokenizer, files_digest
 from gateway.transport import Transport
@@ -129,7 +128,10 @@ class WorkerLink:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self.end_all("the gateway is shutting down")
+        # Streams still open past the server's own shutdown end here; nothing more goes to the worker.
+        for state in self.outputs:
+            self.outputs.fail(state.request_id, "the gateway is shutting down", 503)
+        self.worker = None
         self.transport.close()
 
     # ---- used by the HTTP handlers -----------------------------------------
@@ -148,27 +150,21 @@ class WorkerLink:
         assert self.worker is not None
         return self.worker
 
-    def submit(self, stream: RequestStream) -> None:
+    def submit(self, state: RequestState) -> None:
         if self.worker is None or not self.ready:
             raise WorkerUnavailable("the worker went away")
-        stream.model_digest = self.worker.hello.model_digest
-        self.outputs.add(stream)
-        self._send(self.worker.identity, stream.add_request(), stream.buffers)
+        state.model_digest = self.worker.hello.model_digest
+        self.outputs.add(state)
+        self._send(self.worker.identity, state.add_request(), state.buffers)
 
-    def abort(self, request_id: str) -> None:
-        """Forget the request and tell the worker to drop it. Idempotent."""
-        self._drop(request_id, self.outputs.forget(request_id))
-
-    def end_all(self, message: str) -> None:
-        """End every unfinished request with an error (gateway shutdown)."""
-        for stream in self.outputs:
-            self._drop(stream.request_id, self.outputs.fail(stream.request_id, message, 503))
-
-    def _drop(self, request_id: str, was_running: bool) -> None:
-        """A request ended here: it waits for no worker, and the worker is told to drop it."""
-        self._resume_by.pop(request_id, None)
-        if was_running and self.worker is not None:
-            self._send(self.worker.identity, Abort([request_id]))
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop requests whose client is done with them, and tell the worker to
+        drop those still running. Only `Serving.generate` calls this."""
+        dropped = [request_id for request_id in request_ids if self.outputs.abort(request_id)]
+        for request_id in request_ids:
+            self._resume_by.pop(request_id, None)
+        if dropped and self.worker is not None:
+            self._send(self.worker.identity, Abort(dropped))
 
     @property
     def load_error(self) -> str | None:
@@ -294,14 +290,14 @@ class WorkerLink:
         resumed = 0
         for request_id in list(self._resume_by):
             del self._resume_by[request_id]
-            stream = self.outputs.get(request_id)
-            if stream is None:
+            state = self.outputs.get(request_id)
+            if state is None:
                 continue
-            if stream.model_digest != w.hello.model_digest:
+            if state.model_digest != w.hello.model_digest:
                 self._fail_after_loss(request_id, f"the worker came back serving other weights ({w.hello.model}); "
                                       "this request cannot continue on them")
                 continue
-            self._send(w.identity, stream.add_request(), stream.buffers)
+            self._send(w.identity, state.add_request(), state.buffers)
             resumed += 1
         if resumed:
             self.stats.requests_resumed += resumed
@@ -365,13 +361,13 @@ class WorkerLink:
         self._ready.clear()
         self.stats.workers_lost += 1
         deadline = time.monotonic() + self.worker_wait_s
-        for stream in self.outputs:
-            request_id = stream.request_id
+        for state in self.outputs:
+            request_id = state.request_id
             if request_id in self._resume_by:
                 continue  # already waiting: it never reached this worker
             if request_id not in handed_back:
-                stream.worker_losses += 1
-            if stream.worker_losses > MAX_WORKER_LOSSES:
+                state.worker_losses += 1
+            if state.worker_losses > MAX_WORKER_LOSSES:
                 self._fail_after_loss(request_id, f"the worker was lost twice during this request: {why}")
             else:
                 self._resume_by[request_id] = deadline

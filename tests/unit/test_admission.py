@@ -1,7 +1,7 @@
 import pytest
 
+from gateway.admission import Admission
 from gateway.errors import APIError
-from gateway.serving import Admission
 
 
 def test_admits_up_to_the_per_client_limit_then_429():

@@ -44,7 +44,7 @@ def test_openai_error_types_by_status():
 
 
 def test_an_empty_stop_string_is_refused():
-    from gateway.serving import nonempty_stops
+    from gateway.plan import nonempty_stops
 
     assert nonempty_stops(["a", "b"], "stop") == ["a", "b"]
     with pytest.raises(APIError) as e:

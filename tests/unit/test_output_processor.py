@@ -2,8 +2,7 @@ import asyncio
 
 import pytest
 
-from gateway.generation import Delta, RequestStream
-from gateway.output_processor import OutputProcessor
+from gateway.output_processor import Delta, OutputProcessor, RequestGroup, RequestState, RequestStatus
 from gateway.tokenizer import Tokenizer
 from protocol import RequestOutput, Sampling, StepOutput
 
@@ -13,12 +12,12 @@ def tokenizer(tiny_model) -> Tokenizer:
     return Tokenizer({p.name: p.read_bytes() for p in tiny_model.iterdir() if p.suffix == ".json"})
 
 
-def stream(tokenizer: Tokenizer, request_id: str = "r1", stop: list[str] | None = None) -> RequestStream:
+def stream(tokenizer: Tokenizer, request_id: str = "r1", stop: list[str] | None = None) -> RequestState:
     queue: asyncio.Queue[Delta] = asyncio.Queue()
-    return RequestStream(request_id, queue, [1, 2], Sampling(max_tokens=100), tokenizer, stop or [])
+    return RequestState(request_id, queue, [1, 2], Sampling(max_tokens=100), tokenizer, stop or [])
 
 
-def drained(s: RequestStream) -> list[Delta]:
+def drained(s: RequestState) -> list[Delta]:
     out = []
     while not s.queue.empty():
         out.append(s.queue.get_nowait())
@@ -39,6 +38,7 @@ def test_tokens_become_text_and_the_end_forgets_the_request(tokenizer):
     deltas = drained(s)
     assert "".join(d.text for d in deltas) == "The quick brown fox"
     assert deltas[-1].finish_reason == "length" and len(processor) == 0
+    assert s.status is RequestStatus.FINISHED
 
 
 def test_a_stop_string_ends_the_request_and_asks_for_an_abort(tokenizer):
@@ -49,7 +49,7 @@ def test_a_stop_string_ends_the_request_and_asks_for_an_abort(tokenizer):
     assert processor.process(step(RequestOutput("r1", ids))) == ["r1"]
     (delta,) = drained(s)
     assert delta.text == "The quick " and delta.stop_string == "brown" and delta.finish_reason == "stop"
-    assert processor.get("r1") is None
+    assert processor.get("r1") is None and s.status is RequestStatus.STOPPED
 
 
 def test_outputs_for_unknown_or_finished_requests_are_ignored(tokenizer):
@@ -57,7 +57,7 @@ def test_outputs_for_unknown_or_finished_requests_are_ignored(tokenizer):
     s = stream(tokenizer)
     processor.add(s)
     assert processor.process(step(RequestOutput("ghost", [5]))) == []
-    processor.forget("r1")
+    assert processor.abort("r1") and s.status is RequestStatus.ABORTED
     assert processor.process(step(RequestOutput("r1", [5]))) == [] and drained(s) == []
 
 
@@ -79,4 +79,50 @@ def test_fail_delivers_an_error_once(tokenizer):
     assert processor.fail("r1", "the worker was lost", 503)
     assert not processor.fail("r1", "again", 503)
     (delta,) = drained(s)
-    assert delta.finish_reason == "error" and delta.error_status == 503
+    assert delta.finish_reason == "error" and delta.error_status == 503 and s.status is RequestStatus.FAILED
+
+
+def group_of(tokenizer: Tokenizer, n: int) -> RequestGroup:
+    queue: asyncio.Queue[Delta] = asyncio.Queue()
+    return RequestGroup([RequestState(f"r{i}", queue, [1, 2], Sampling(max_tokens=9), tokenizer, [], i)
+                         for i in range(n)], queue)
+
+
+async def read(group: RequestGroup, deadline: float | None = None) -> list[Delta]:
+    return [d async for d in group.deltas(deadline)]
+
+
+def test_a_group_merges_piled_up_text_and_ends_when_every_choice_has(tokenizer):
+    group = group_of(tokenizer, 2)
+    for delta in (Delta("a", 0), Delta("b", 0), Delta("x", 1), Delta("c", 0, finish_reason="stop"),
+                  Delta("y", 1, finish_reason="length")):
+        group.queue.put_nowait(delta)
+    deltas = asyncio.run(read(group))
+    assert [(d.index, d.text, d.finish_reason) for d in deltas] == [
+        (0, "ab", None), (1, "x", None), (0, "c", "stop"), (1, "y", "length")]
+
+
+def test_nothing_of_a_choice_comes_after_its_final_delta(tokenizer):
+    group = group_of(tokenizer, 2)
+    group.queue.put_nowait(Delta("", 0, finish_reason="stop"))
+    group.queue.put_nowait(Delta("", 0, finish_reason="error", error="late"))
+    group.queue.put_nowait(Delta("", 1, finish_reason="stop"))
+    assert [d.error for d in asyncio.run(read(group))] == [None, None]
+
+
+def test_end_reaches_the_reader_even_after_a_choice_finished(tokenizer):
+    group = group_of(tokenizer, 2)
+    group.queue.put_nowait(Delta("", 0, finish_reason="stop"))
+    group.end("the request was cancelled", 499)
+    deltas = asyncio.run(read(group))
+    assert deltas[-1].error == "the request was cancelled" and deltas[-1].index == 1
+
+
+def test_a_group_past_its_deadline_raises_timeout(tokenizer):
+    group = group_of(tokenizer, 1)
+
+    async def past_deadline() -> None:
+        await read(group, asyncio.get_running_loop().time() + 0.01)
+
+    with pytest.raises(TimeoutError):
+        asyncio.run(past_deadline())

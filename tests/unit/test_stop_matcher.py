@@ -1,4 +1,4 @@
-from gateway.generation import StopMatcher
+from gateway.parsing import StopMatcher
 
 
 def feed_all(matcher: StopMatcher, pieces: list[str]) -> tuple[str, str | None]:

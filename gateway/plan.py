@@ -1,0 +1,157 @@
+"""What an API request asks for, whatever its dialect.
+
+Each API (gateway/openai_api.py, gateway/anthropic_api.py) turns its body into
+a `Plan` with the helpers here, which both share: chat messages as templates
+take them, tool definitions narrowed by the tool choice, stop strings. From a
+Plan and a worker, `Serving` (gateway/serving.py) builds the grammar and one
+`Sampling` per choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from gateway.errors import APIError
+from gateway.images import ImageSource
+from gateway.parsing import arguments_object
+from gateway.sampling_defaults import SamplingDefaults
+from gateway.structured import forced_tool_call_grammar, json_schema_grammar, named_tool
+from protocol import Sampling
+
+
+@dataclass
+class ChatInput:
+    """A conversation: messages as chat templates take them, and its images in order."""
+
+    messages: list[dict]
+    images: list[ImageSource] = field(default_factory=list)
+    template_kwargs: dict | None = None
+
+
+@dataclass
+class SamplingParams:
+    """The sampling a body asks for; None where it is silent (the model's defaults apply)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None  # with a seed, choice i samples with seed + i
+    ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias
+    logprobs: int | None = None  # how many alternatives per token, when asked for
+    n: int = 1
+
+    def samplings(self, defaults: SamplingDefaults, vocab_size: int, max_tokens: int,
+                  grammar: str | None) -> list[Sampling]:
+        """One Sampling per choice."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+                raise APIError(400, f"logit_bias key {key!r} is not a token id of this model (0..{vocab_size - 1})",
+                               param="logit_bias")
+            bias[int(key)] = value
+        base = Sampling(
+            max_tokens=max_tokens,
+            temperature=defaults.temperature if self.temperature is None else self.temperature,
+            top_p=defaults.top_p if self.top_p is None else self.top_p,
+            top_k=defaults.top_k if self.top_k is None else max(self.top_k, 0),
+            min_p=defaults.min_p if self.min_p is None else self.min_p,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=defaults.repetition_penalty if self.repetition_penalty is None
+            else self.repetition_penalty,
+            logit_bias=bias,
+            logprobs=self.logprobs,
+            grammar=grammar,
+        )
+        if self.seed is None:
+            return [base] * self.n
+        return [msgspec.structs.replace(base, seed=self.seed + i) for i in range(self.n)]
+
+
+@dataclass
+class Plan:
+    model: str
+    prompt: ChatInput | str | list[int]  # a conversation, a text, or token ids
+    sampling: SamplingParams
+    stops: list[str]
+    stream: bool = False
+    max_tokens: int | None = None  # None: as many as the context leaves
+    max_tokens_param: str = "max_tokens"
+    tools: list[dict] | None = None  # in OpenAI's function shape, narrowed by the tool choice
+    force_tool_call: bool = False  # the output must be a call of one of `tools`
+    parallel_tool_calls: bool = True  # False: only a choice's first call is returned
+    json_output: bool = False  # the output must be JSON ...
+    json_schema: dict | None = None  # ... following this schema, when there is one
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if isinstance(self.prompt, ChatInput) else "prompt"
+
+    def grammar(self, tool_family: str) -> str | None:
+        """The grammar the output must follow: a forced tool call, or JSON."""
+        if self.force_tool_call and self.json_output:
+            raise APIError(400, "a forced tool_choice and a JSON response_format cannot both constrain the output",
+                           param="response_format")
+        if self.force_tool_call and self.tools:
+            return forced_tool_call_grammar(self.tools, tool_family)
+        if self.json_output:
+            return json_schema_grammar(self.json_schema)
+        return None
+
+
+@dataclass(frozen=True)
+class NamedTool:
+    """A tool choice that names the one function to call."""
+
+    name: str
+
+
+def tool_definitions(tools: list[dict], choice: str | NamedTool) -> list[dict] | None:
+    """The tools to render into the prompt, in OpenAI's function shape: none with
+    the choice "none", only the named one with a named choice.
+
+    choice: "auto", "none", "required" (a call of any tool), or a NamedTool.
+    """
+    if not tools or choice == "none":
+        if choice == "required" or isinstance(choice, NamedTool):
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        return None
+    if isinstance(choice, NamedTool):
+        return named_tool(tools, choice.name)
+    return tools
+
+
+def nonempty_stops(stops: list[str], param: str) -> list[str]:
+    """A request's stop strings; an empty one (which would end every request at once) is a 400."""
+    if any(not s for s in stops):
+        raise APIError(400, f"{param}: stop strings must not be empty", param=param)
+    return stops
+
+
+def template_message(role: str, content: str | list[dict], tool_calls: list[dict] | None = None,
+                     **extra: str) -> dict:
+    """One chat message as templates take it: its text or parts (text, image),
+    the calls it made, and any other keys (tool_call_id, name)."""
+    message: dict = {"role": role, "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    message.update(extra)
+    return message
+
+
+def template_tool_call(call_id: str, name: str, arguments: str | dict) -> dict:
+    """A call an assistant message made, with its arguments as an object (as
+    templates expect) where the JSON text is one."""
+    if isinstance(arguments, str):
+        parsed = arguments_object(arguments)
+        arguments = arguments if parsed is None else parsed
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
