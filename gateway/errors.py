@@ -1,4 +1,7 @@
-"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+"""How a request's failure reaches its client: APIError, and its body in the
+dialect of the API asked (OpenAI's {"error": {...}}, Anthropic's {"type":
+"error", ...}), including a body that does not decode (decode_body: a 400
+naming the field)."""
 
 from __future__ import annotations
 

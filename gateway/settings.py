@@ -1,3 +1,5 @@
+"""The gateway's settings: every `mlxd gateway` flag, with its default and its limits."""
+
 from __future__ import annotations
 
 from typing import Annotated

@@ -1,3 +1,5 @@
+"""`python -m worker`: the worker's commands."""
+
 from worker.cli import main
 
 raise SystemExit(main())

@@ -45,7 +45,7 @@ def serve_main(argv: list[str]) -> int:
     settings = parse_settings(parser, WorkerSettings, argv)
     blas = _start(settings.log_level)
     logging.getLogger("mlxd.worker").info("BLAS: %s", blas)
-    from worker.serve import serve
+    from worker.start import serve
 
     return serve(settings, audit=os.environ.get("MLXD_AFFINITY_AUDIT", "") not in ("", "0"))
 

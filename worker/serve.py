@@ -1,28 +1,24 @@
-"""The worker's serving loop, and its start (load, then connect). Everything
-here runs on the main thread.
+"""The worker's serving loop, on the main thread (worker/start.py starts it).
 
 Each turn: stop if a drain is over, greet the gateway until welcomed, take
 every waiting message (without blocking while there is work) and apply aborts
 then adds, run one engine step, take any aborts that arrived during the step,
 and send one StepOutput for the whole batch.
 
-SIGTERM (or SIGINT) drains: the worker tells the gateway it is Draining, runs
-its requests for up to --drain-s, then hands back the unfinished ones in its
-Goodbye, for the gateway to resume on the next worker, and exits 0.
+A drain (on SIGTERM or SIGINT): the worker tells the gateway it is Draining,
+runs its requests for up to --drain-s, then hands back the unfinished ones in
+its Goodbye, for the gateway to resume on the next worker, and exits 0.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 
 import zmq
 
 from protocol import (
-    EXIT_LOAD_FAILED,
-    PROTOCOL_VERSION,
     Abort,
     AddRequest,
     Draining,
@@ -30,7 +26,6 @@ from protocol import (
     Goodbye,
     Heartbeat,
     Hello,
-    LoadFailed,
     ProtocolError,
     Refused,
     StepOutput,
@@ -42,20 +37,13 @@ from protocol import (
 from protocol.worker_settings import WorkerSettings
 from worker.audit import AffinityAudit
 from worker.engine import Engine, InvalidRequest
-from worker.grammar import Grammars
 from worker.heartbeat import HeartbeatThread
-from worker.model import load_model
-from worker.model_source import ModelNotFound
-from worker.prefix_cache import PrefixCache
-from worker.transport import TransportError, connect
-from worker.vision import VisionPrefill
+from worker.transport import connect
 
 log = logging.getLogger("mlxd.worker")
 
 IDLE_POLL_MS = 100
 HELLO_RETRY_S = 0.25
-# How long a worker that cannot load its model tries to tell the gateway why.
-LOAD_FAILED_DELIVERY_MS = 2000
 
 
 class GatewayRefused(Exception):
@@ -204,77 +192,3 @@ class Worker:
         self.send(Goodbye("the worker is stopping", self.handed_back))
         self.socket.close()
         self._context.term()
-
-
-def load_failed(settings: WorkerSettings, reason: str) -> int:
-    """Tell the gateway why this worker cannot serve (it shows the reason in
-    /health and its 503s; `mlxd serve` stops with it), then exit."""
-    log.error("cannot load the model: %s", reason)
-    context = zmq.Context()
-    try:
-        socket = connect(context, settings, f"worker-{time.time_ns()}-failed")
-    except TransportError as e:
-        log.error("%s", e)
-    else:
-        if socket.poll(LOAD_FAILED_DELIVERY_MS, zmq.POLLOUT):
-            socket.send(encode(LoadFailed(os.getpid(), settings.model, reason)))
-        socket.close(linger=LOAD_FAILED_DELIVERY_MS)
-    context.term()
-    return EXIT_LOAD_FAILED
-
-
-def serve(settings: WorkerSettings, *, audit: bool) -> int:
-    affinity = AffinityAudit().install() if audit else None
-    if affinity:
-        log.info("affinity audit on: every MLX evaluation's thread is recorded")
-    started = time.monotonic()
-    try:
-        loaded = load_model(settings.model, settings.context_length, settings.cpu_dequantize)
-    except (ModelNotFound, OSError, ValueError) as e:  # GGUFError is a ValueError
-        return load_failed(settings, str(e))
-    except Exception as e:  # an unexpected failure in a loader: the reason still reaches the operator
-        log.exception("loading the model failed")
-        return load_failed(settings, f"{type(e).__name__}: {e}")
-    log.info("loaded %s from %s in %.1fs", loaded.name, loaded.path, time.monotonic() - started)
-    vision = None
-    if loaded.image_token_id is not None:
-        vision = VisionPrefill(loaded.model, loaded.image_token_id, settings.prefill_chunk)
-    engine = Engine(
-        vision.language_model if vision else loaded.model,
-        eos_token_ids=loaded.eos_token_ids,
-        vocab_size=loaded.vocab_size,
-        context_length=loaded.context_length,
-        capacity=settings.max_batch,
-        prefill_batch_size=settings.prefill_batch,
-        prefill_step_size=settings.prefill_chunk,
-        grammars=Grammars(loaded.hf_tokenizer, loaded.vocab_size, loaded.eos_token_ids),
-        prefix_cache=PrefixCache(settings.prefix_cache_bytes) if settings.prefix_cache_bytes else None,
-        vision=vision,
-    )
-    hello = Hello(
-        protocol_version=PROTOCOL_VERSION,
-        epoch=time.time_ns(),
-        pid=os.getpid(),
-        model=loaded.name,
-        context_length=loaded.context_length,
-        vocab_size=loaded.vocab_size,
-        capacity=settings.max_batch,
-        eos_token_ids=loaded.eos_token_ids,
-        tokenizer_files=loaded.tokenizer_files,
-        vision=vision is not None,
-        model_digest=loaded.digest,
-    )
-    try:
-        worker = Worker(settings, engine, hello, affinity)
-    except TransportError as e:
-        log.error("%s", e)
-        return 1
-
-    def stop(signum, _frame):
-        log.info("received %s; draining for up to %gs", signal.Signals(signum).name, settings.drain_s)
-        worker.drain(settings.drain_s)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    log.info("serving %s on %s", loaded.name, settings.worker_endpoint)
-    return worker.run()
