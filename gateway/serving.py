@@ -268,9 +268,9 @@ class Serving:
                     else:
                         self.metrics.time_to_first_token.observe(now - arrived)
                     last[delta.index] = now
-                if not plan.parallel_tool_calls:
+                if delta.tool_calls and not plan.parallel_tool_calls:
                     delta.tool_calls = delta.tool_calls[: max(1 - calls[delta.index], 0)]
-                calls[delta.index] += len(delta.tool_calls)
+                    calls[delta.index] += len(delta.tool_calls)
                 yield delta
         finally:
             self.link.abort([state.request_id for state in group.states if state.running])
@@ -281,25 +281,27 @@ class Serving:
 
     async def _events(self, renderer: Renderer, group: RequestGroup, opening: Delta,
                       deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
-        texts = [""] * len(group.states)
+        """The SSE body: a Delta's events go out as one write (one chunk, one send)."""
+        texts: list[list[str]] | None = [[] for _ in group.states] if self.settings.log_prompts else None
         error: APIError | None = None
         try:
-            for event in renderer.opening(group) + renderer.delta(opening):
-                yield event
+            if events := renderer.opening(group) + renderer.delta(opening):
+                yield b"".join(events)
             try:
                 async for delta in deltas:
                     if delta.error is not None:
                         error = delta_error(delta)
                         break
-                    texts[delta.index] += delta.text
-                    for event in renderer.delta(delta):
-                        yield event
+                    if texts is not None:
+                        texts[delta.index].append(delta.text)
+                    if events := renderer.delta(delta):
+                        yield b"".join(events)
             except TimeoutError:
                 error = self.timed_out()
-            for event in renderer.ending(group, error):
-                yield event
+            yield b"".join(renderer.ending(group, error))
         finally:
-            self._log_completion(renderer.id, texts)
+            if texts is not None:
+                self._log_completion(renderer.id, ["".join(t) for t in texts])
 
     def cancel(self, request: Request, request_id: str) -> None:
         """Cancel a running request of this client (404 if there is none by
