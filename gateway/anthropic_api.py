@@ -137,6 +137,13 @@ class AnthropicAPI:
         return await self.serving.respond(request, messages_plan(body), MessageOutput(body.model))
 
 
+def usage(group: RequestGroup) -> Usage:
+    """Anthropic's usage: `input_tokens` are those the prefix cache did not
+    hold, so input + cache read is the prompt (what count_tokens says)."""
+    return Usage(group.prompt_tokens - group.cached_tokens, group.completion_tokens,
+                 cache_read_input_tokens=group.cached_tokens)
+
+
 def tool_use_id(call: ToolCall) -> str:
     return "toolu_" + call.id.removeprefix("call_")
 
@@ -157,6 +164,8 @@ class MessageOutput:
         self._stop_string: str | None = None
 
     def opening(self, group: RequestGroup) -> list[bytes]:
+        # Before the first step nothing is known of the prefix cache: the whole prompt counts as input
+        # here, and message_delta's usage says how much of it the cache held.
         start = MessageOut(self.id, self.model, [], None, None, Usage(group.prompt_tokens, 0))
         return [event("message_start", {"type": "message_start", "message": msgspec.to_builtins(start)}),
                 event("ping", {"type": "ping"})]
@@ -182,7 +191,7 @@ class MessageOutput:
                 event("message_delta", {"type": "message_delta",
                                         "delta": {"stop_reason": "tool_use" if self._calls else self._reason,
                                                   "stop_sequence": self._stop_string},
-                                        "usage": {"output_tokens": group.completion_tokens}}),
+                                        "usage": msgspec.to_builtins(usage(group))}),
                 event("message_stop", {"type": "message_stop"})]
 
     def body(self, choices: list[Choice], group: RequestGroup) -> MessageOut:
@@ -197,7 +206,7 @@ class MessageOutput:
             content,
             "tool_use" if calls else stop_reason(choice.finish_reason, choice.stop_string),
             choice.stop_string,
-            Usage(group.prompt_tokens, group.completion_tokens, cache_read_input_tokens=group.cached_tokens),
+            usage(group),
         )
 
 

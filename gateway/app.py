@@ -131,6 +131,7 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
             Route("/ready", ready, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/models", api.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", api.model, methods=["GET"]),
             Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
             Route("/v1/completions", api.completions, methods=["POST"]),
             Route("/v1/messages", anthropic.messages, methods=["POST"]),

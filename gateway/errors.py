@@ -86,9 +86,14 @@ _PATH = re.compile(r" - at `\$\.?(.*)`$")
 
 
 def decode_body(body: bytes, request_type: type):
-    """Decode and validate a JSON body into `request_type`, or raise a 400."""
+    """Decode and validate a JSON body into `request_type`, or raise a 400.
+
+    Lax, as the SDKs' and other servers' validators are: a whole number
+    written as a float (`"n": 1.0`) is an int, a number written as a string is
+    a number; anything that does not convert exactly is still a 400.
+    """
     try:
-        return msgspec.json.decode(body, type=request_type)
+        return msgspec.json.decode(body, type=request_type, strict=False)
     except msgspec.ValidationError as e:
         message = str(e)
         match = _PATH.search(message)

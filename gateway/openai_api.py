@@ -94,6 +94,8 @@ def chat_input(body: ChatCompletionRequest) -> ChatInput:
             else:
                 parts.append({"type": "text", "text": part.text})
         calls = [template_tool_call(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
+        if m.function_call is not None and not calls:
+            calls = [template_tool_call(f"call_{i}", m.function_call.name, m.function_call.arguments)]
         extra = {key: value for key, value in (("tool_call_id", m.tool_call_id), ("name", m.name)) if value is not None}
         messages.append(template_message("system" if m.role == "developer" else m.role, parts, calls, **extra))
     return ChatInput(messages, images, body.chat_template_kwargs)
@@ -112,7 +114,7 @@ def chat_plan(body: ChatCompletionRequest) -> Plan:
         prompt=chat_input(body),
         sampling=sampling_params(body, (body.top_logprobs or 0) if body.logprobs else None),
         stops=nonempty_stops(body.stop_strings(), "stop"),
-        stream=body.stream,
+        stream=bool(body.stream),
         max_tokens=body.max_completion_tokens or body.max_tokens,
         max_tokens_param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
         tools=tools,
@@ -134,7 +136,7 @@ def completion_plan(body: CompletionRequest) -> Plan:
         prompt=prompt if isinstance(prompt, str) else [t for t in prompt if isinstance(t, int)],
         sampling=sampling_params(body, body.logprobs),
         stops=nonempty_stops(body.stop_strings(), "stop"),
-        stream=body.stream,
+        stream=bool(body.stream),
         max_tokens=body.max_tokens,
     )
 
@@ -146,6 +148,13 @@ class OpenAIAPI:
     async def models(self, _request: Request) -> Response:
         body = ModelList([Model(id=name, created=self.serving.started) for name in self.serving.model_names()])
         return MsgspecResponse(body)
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        if not self.serving.serves(name, self.serving.model_names()):
+            raise APIError(404, f"The model '{name}' does not exist", type="not_found_error", param="model",
+                           code="model_not_found")
+        return MsgspecResponse(Model(id=name, created=self.serving.started))
 
     async def chat_completions(self, request: Request) -> Response:
         body = decode_body(await self.serving.read_body(request), ChatCompletionRequest)

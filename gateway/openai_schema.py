@@ -43,14 +43,25 @@ class ToolCallIn(msgspec.Struct, forbid_unknown_fields=True):
     type: Literal["function"] = "function"
 
 
+class AudioRef(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
-    # Sent back by some clients; earlier reasoning is not replayed into the prompt.
+    # The deprecated single call of an assistant message: rendered as a tool call.
+    function_call: FunctionCall | None = None
+    # Sent back with the assistant messages the API returns (the SDKs' usual
+    # multi-turn pattern); not rendered into the prompt. Earlier reasoning is
+    # not replayed either, as chat templates do.
     reasoning_content: str | None = None
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: AudioRef | None = None
 
     def parts(self) -> list[TextPart | ImagePart]:
         if isinstance(self.content, list):
@@ -66,11 +77,11 @@ class GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     """Fields /v1/chat/completions and /v1/completions share."""
 
     model: str
-    stream: bool = False
+    stream: bool | None = False  # null: the spec's default, false
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, Meta(ge=1, le=MAX_INT)] | None = None
     temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    top_p: Annotated[float, Meta(ge=0, le=1)] | None = None  # 0: only the likeliest token (greedy)
     top_k: Annotated[int, Meta(ge=-1, le=MAX_INT)] | None = None
     min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
     seed: Annotated[int, Meta(ge=-MAX_INT - 1, le=MAX_INT)] | None = None

@@ -56,10 +56,14 @@ class SamplingParams:
                 raise APIError(400, f"logit_bias key {key!r} is not a token id of this model (0..{vocab_size - 1})",
                                param="logit_bias")
             bias[int(key)] = value
+        temperature = defaults.temperature if self.temperature is None else self.temperature
+        top_p = defaults.top_p if self.top_p is None else self.top_p
+        if top_p == 0:  # keeps the likeliest token alone: greedy decoding
+            temperature, top_p = 0.0, 1.0
         base = Sampling(
             max_tokens=max_tokens,
-            temperature=defaults.temperature if self.temperature is None else self.temperature,
-            top_p=defaults.top_p if self.top_p is None else self.top_p,
+            temperature=temperature,
+            top_p=top_p,
             top_k=defaults.top_k if self.top_k is None else max(self.top_k, 0),
             min_p=defaults.min_p if self.min_p is None else self.min_p,
             seed=self.seed,

@@ -12,6 +12,7 @@ SSE events or one body, through the Renderer.
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import logging
 import time
 from collections import Counter
@@ -135,11 +136,22 @@ class Serving:
             return self.served_names(self.link.worker)
         return self.settings.served_model_name or ([self.configured_model] if self.configured_model else [])
 
+    def serves(self, model: str, names: list[str]) -> bool:
+        """Whether a request for `model` is served by one of `names`: it is
+        one of them, or matches a --model-alias pattern that names one."""
+        if model in names:
+            return True
+        for alias in self.settings.model_alias:
+            pattern, _, name = alias.partition("=")
+            if fnmatch.fnmatchcase(model, pattern):
+                return name in names
+        return False
+
     async def worker_for(self, model: str) -> WorkerState:
         """A ready worker serving `model` (404 for a name this server does not serve)."""
         worker = await self.ready_worker()
         names = self.served_names(worker)
-        if model not in names:
+        if not self.serves(model, names):
             raise APIError(
                 404,
                 f"The model '{model}' does not exist. This server serves: {', '.join(names)}.",

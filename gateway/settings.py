@@ -19,6 +19,11 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     served_model_name: Annotated[
         list[str], Meta(description="name clients use for the model (default: the worker's --model)")
     ] = []
+    model_alias: Annotated[
+        list[Annotated[str, Meta(pattern=r"^[^=]+=[^=]+$")]],
+        Meta(description="PATTERN=NAME: a request for a model matching the glob PATTERN (e.g. 'claude-*') "
+                         "is served by the served model NAME; /v1/models lists only served names"),
+    ] = []
     worker_wait_s: Annotated[
         float, Meta(ge=0, description="how long a request waits for a ready worker before a 503")
     ] = 30.0

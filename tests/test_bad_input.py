@@ -23,7 +23,7 @@ CASES = [
     ("image part", CHAT, {"model": MODEL_NAME, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0]"),
     ("temperature as string", CHAT, {"model": MODEL_NAME, "messages": USER, "temperature": "hot"}, 400, "temperature"),
     ("temperature too high", CHAT, {"model": MODEL_NAME, "messages": USER, "temperature": 5}, 400, "temperature"),
-    ("top_p zero", CHAT, {"model": MODEL_NAME, "messages": USER, "top_p": 0}, 400, "top_p"),
+    ("top_p negative", CHAT, {"model": MODEL_NAME, "messages": USER, "top_p": -0.1}, 400, "top_p"),
     ("min_p above one", CHAT, {"model": MODEL_NAME, "messages": USER, "min_p": 1.5}, 400, "min_p"),
     ("top_k below -1", CHAT, {"model": MODEL_NAME, "messages": USER, "top_k": -5}, 400, "top_k"),
     ("max_tokens zero", CHAT, {"model": MODEL_NAME, "messages": USER, "max_tokens": 0}, 400, "max_tokens"),

@@ -24,6 +24,10 @@ def default_server(tmp_path_factory):
 def test_paris(default_server):
     client = openai.OpenAI(base_url=default_server.url + "/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL_NAME]
+    assert client.models.retrieve(DEFAULT_MODEL_NAME).id == DEFAULT_MODEL_NAME
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-nothing")
+    assert e.value.body["code"] == "model_not_found"
     response = client.chat.completions.create(
         model=DEFAULT_MODEL_NAME, messages=QUESTION, max_tokens=12, temperature=0
     )

@@ -59,9 +59,17 @@ def test_cache_stats_in_health_and_anthropic_usage(server):
     before = server.health()["worker"].get("prefix_cache", {"hits": 0})["hits"]
     client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
     body = dict(model=MODEL_NAME, max_tokens=4, messages=[{"role": "user", "content": "Cache me if you can"}])
-    client.messages.create(**body)
+    first = client.messages.create(**body)
     again = client.messages.create(**body)
+    # Anthropic's semantics: input_tokens leaves out what was read from the cache.
+    prompt_tokens = client.messages.count_tokens(model=MODEL_NAME, messages=body["messages"]).input_tokens
+    assert first.usage.input_tokens + first.usage.cache_read_input_tokens == prompt_tokens
     assert again.usage.cache_read_input_tokens > 0
+    assert again.usage.input_tokens + again.usage.cache_read_input_tokens == prompt_tokens
+    with client.messages.stream(**body) as stream:
+        streamed = stream.get_final_message().usage
+    assert streamed.cache_read_input_tokens > 0
+    assert streamed.input_tokens + streamed.cache_read_input_tokens == prompt_tokens
     # The next heartbeat has it.
     wait_for(lambda: server.health()["worker"]["prefix_cache"]["hits"] > before, 3, "the cache hits to show")
     stats = server.health()["worker"]["prefix_cache"]

@@ -70,7 +70,7 @@ def test_same_seed_concurrently_gives_the_same_text(client):
     assert results[0] != results[2]
 
 
-@pytest.mark.parametrize("params", [{"top_k": 1}, {"min_p": 1.0}, {"top_p": 0.001}])
+@pytest.mark.parametrize("params", [{"top_k": 1}, {"min_p": 1.0}, {"top_p": 0.001}, {"top_p": 0}])
 def test_filters_that_leave_one_token_are_greedy(client, reference, params):
     expected = reference.greedy(reference.chat_prompt(MESSAGES), 20)
     text = chat(client, max_tokens=20, temperature=1.5, seed=3, **params).choices[0].message.content

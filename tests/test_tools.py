@@ -123,6 +123,21 @@ def test_tool_messages_round_trip(scripted):
     assert second.choices[0].finish_reason == "tool_calls"
     # The tool's answer was rendered into the prompt.
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + 5
+    # The SDKs' own pattern: the returned message object sent back as it is
+    # (with its refusal, annotations, audio and function_call fields), rendered the same.
+    returned = ASK + [first.choices[0].message, history[-1]]
+    again = client.chat.completions.create(model="scripted", messages=returned, tools=TOOLS, temperature=0)
+    assert again.usage.prompt_tokens == second.usage.prompt_tokens
+    raw = first.choices[0].message.model_dump()
+    raw.update(refusal=None, annotations=[], audio=None, function_call=None)
+    assert client.chat.completions.create(model="scripted", messages=ASK + [raw, history[-1]], tools=TOOLS,
+                                          temperature=0).usage.prompt_tokens == second.usage.prompt_tokens
+    # The older single function_call renders as a call too.
+    older = ASK + [{"role": "assistant", "content": None, "function_call": {
+        "name": call.function.name, "arguments": call.function.arguments}}, {"role": "tool", "tool_call_id": "call_0",
+                                                                            "content": "18 degrees and sunny"}]
+    legacy = client.chat.completions.create(model="scripted", messages=older, tools=TOOLS, temperature=0)
+    assert legacy.usage.prompt_tokens > first.usage.prompt_tokens + 5
 
 
 def test_reasoning_goes_to_reasoning_content(scripted):

@@ -50,3 +50,15 @@ def test_an_empty_stop_string_is_refused():
     with pytest.raises(APIError) as e:
         nonempty_stops(["a", ""], "stop_sequences")
     assert e.value.status == 400 and e.value.param == "stop_sequences"
+
+
+def test_values_the_spec_allows_in_the_forms_clients_write_them():
+    body = decode_body(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2.0, "seed": 3.0,'
+                       b' "stream": null, "top_p": 0, "max_tokens": "8"}', ChatCompletionRequest)
+    assert (body.n, body.seed, body.stream, body.top_p, body.max_tokens) == (2, 3, None, 0, 8)
+
+
+@pytest.mark.parametrize("field", ['"n": 1.5', '"stream": "yes"', '"top_p": 1.5', '"max_tokens": "many"'])
+def test_values_that_do_not_convert_exactly_are_still_refused(field):
+    error = error_of(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], ' + field.encode() + b"}")
+    assert error.status == 400 and error.param == field.split('"')[1]

@@ -75,3 +75,8 @@ def test_tool_call_arguments_become_an_object_when_they_are_one():
     assert template_tool_call("c1", "f", "not json")["function"]["arguments"] == "not json"
     assert template_tool_call("c1", "f", "[1, 2]")["function"]["arguments"] == "[1, 2]"
     assert template_tool_call("c1", "f", {"x": 1})["function"]["arguments"] == {"x": 1}
+
+
+def test_a_top_p_of_zero_is_greedy():
+    (sampling,) = SamplingParams(top_p=0.0, temperature=0.8).samplings(SamplingDefaults(), 100, 8, None)
+    assert (sampling.temperature, sampling.top_p) == (0.0, 1.0)
