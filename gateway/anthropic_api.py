@@ -15,13 +15,14 @@ from starlette.responses import Response
 
 from gateway.anthropic_schema import (
     Base64Source,
+    Conversation,
     CountTokensRequest,
     ImageBlock,
     MessageOut,
     MessagesRequest,
     TextBlock,
     TextOut,
-    ThinkingBlock,
+    ThinkingDisabled,
     ThinkingOut,
     ToolChoiceAny,
     ToolChoiceNone,
@@ -61,9 +62,10 @@ def stop_reason(finish_reason: str | None, stop_string: str | None) -> str:
     return "max_tokens" if finish_reason == "length" else "end_turn"
 
 
-def chat_input(body: MessagesRequest | CountTokensRequest) -> ChatInput:
+def chat_input(body: Conversation) -> ChatInput:
     """Anthropic messages as the chat template's messages, and their image
-    blocks, in order."""
+    blocks, in order. Earlier thinking is not replayed into the prompt, as
+    chat templates do not replay it."""
     messages = []
     images = []
     if body.system:
@@ -86,15 +88,27 @@ def chat_input(body: MessagesRequest | CountTokensRequest) -> ChatInput:
                 tool_calls.append(template_tool_call(block.id, block.name, block.input))
             elif isinstance(block, ToolResultBlock):
                 messages.append(template_message("tool", block.text(), tool_call_id=block.tool_use_id))
-            elif isinstance(block, ThinkingBlock):
-                pass  # earlier reasoning is not replayed into the prompt, as chat templates do
         if parts or tool_calls:
             messages.append(template_message(m.role, parts, tool_calls))
-    template_kwargs = {"enable_thinking": body.thinking.type == "enabled"} if body.thinking else None
-    return ChatInput(messages, images, template_kwargs)
+    return ChatInput(messages, images, template_kwargs(body))
 
 
-def tools(body: MessagesRequest | CountTokensRequest) -> list[dict] | None:
+def template_kwargs(body: Conversation) -> dict | None:
+    """The chat template's reasoning switches: `enable_thinking` from
+    `thinking` (or from `output_config.effort`: on unless "low"), and
+    `reasoning_effort` (low, medium or high) from the effort; a template
+    without such a switch ignores it."""
+    kwargs: dict = {}
+    effort = body.output_config.effort if body.output_config else None
+    if effort is not None:
+        kwargs["reasoning_effort"] = "high" if effort in ("xhigh", "max") else effort
+        kwargs["enable_thinking"] = effort != "low"
+    if body.thinking is not None:
+        kwargs["enable_thinking"] = not isinstance(body.thinking, ThinkingDisabled)
+    return kwargs or None
+
+
+def tools(body: Conversation) -> list[dict] | None:
     """The tools in OpenAI's function shape, which chat templates expect, narrowed by the tool choice."""
     choice = body.tool_choice
     return tool_definitions(
@@ -107,6 +121,7 @@ def tools(body: MessagesRequest | CountTokensRequest) -> list[dict] | None:
 
 def messages_plan(body: MessagesRequest) -> Plan:
     choice = body.tool_choice
+    output_format = body.output_config.format if body.output_config else None
     return Plan(
         model=body.model,
         prompt=chat_input(body),
@@ -118,7 +133,14 @@ def messages_plan(body: MessagesRequest) -> Plan:
         force_tool_call=isinstance(choice, (ToolChoiceAny, ToolChoiceTool)),
         parallel_tool_calls=choice is None or isinstance(choice, ToolChoiceNone)
         or not choice.disable_parallel_tool_use,
+        json_output=output_format is not None,
+        json_schema=output_format.schema if output_format is not None else None,
     )
+
+
+def shows_thinking(body: MessagesRequest) -> bool:
+    """False when `thinking.display` is "omitted": the reasoning is not returned."""
+    return getattr(body.thinking, "display", None) != "omitted"
 
 
 class AnthropicAPI:
@@ -134,7 +156,8 @@ class AnthropicAPI:
 
     async def messages(self, request: Request) -> Response:
         body = decode_body(await self.serving.read_body(request), MessagesRequest)
-        return await self.serving.respond(request, messages_plan(body), MessageOutput(body.model))
+        return await self.serving.respond(request, messages_plan(body),
+                                          MessageOutput(body.model, shows_thinking(body)))
 
 
 def usage(group: RequestGroup) -> Usage:
@@ -155,9 +178,10 @@ def tool_use(call: ToolCall) -> ToolUseOut:
 class MessageOutput:
     """One message's renderer (serving.Renderer): Anthropic's event sequence, or the message whole."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, shows_thinking: bool = True) -> None:
         self.id = f"msg_{uuid.uuid4().hex}"
         self.model = model
+        self._shows_thinking = shows_thinking
         self._blocks = Blocks()
         self._calls = 0
         self._reason: str | None = None
@@ -173,7 +197,7 @@ class MessageOutput:
     def delta(self, delta: Delta) -> list[bytes]:
         blocks = self._blocks
         out = []
-        if delta.reasoning:
+        if delta.reasoning and self._shows_thinking:
             out += blocks.add("thinking", {"type": "thinking_delta", "thinking": delta.reasoning})
         if delta.text and (delta.text.strip() or blocks.kind == "text"):
             out += blocks.add("text", {"type": "text_delta", "text": delta.text})
@@ -197,7 +221,7 @@ class MessageOutput:
     def body(self, choices: list[Choice], group: RequestGroup) -> MessageOut:
         (choice,) = choices
         calls = choice.tool_calls
-        content: list = [ThinkingOut(choice.reasoning)] if choice.reasoning else []
+        content: list = [ThinkingOut(choice.reasoning)] if choice.reasoning and self._shows_thinking else []
         content += [TextOut(choice.text)] if choice.text.strip() or not (calls or content) else []
         content += [tool_use(c) for c in calls]
         return MessageOut(

@@ -9,11 +9,18 @@ from msgspec import Meta
 
 from gateway.openai_schema import MAX_INT
 
+# What the current SDK (anthropic 2.12, beta types included) defines is
+# accepted: honoured where mlxd can, otherwise ignored, and each ignored field
+# is listed in docs/api.md. Anything else is a 400 naming it.
+
+# A prompt-caching hint, anywhere the SDK allows one: mlxd's prefix cache needs
+# no marker, so it is accepted and has no effect.
+CacheControl = dict[str, Any]
+
 
 class TextBlock(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
     text: str
-    # A prompt-caching hint; mlxd's prefix cache needs no marker, so it is accepted and has no effect.
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
     citations: list[Any] | None = None
 
 
@@ -28,25 +35,28 @@ class URLSource(msgspec.Struct, tag_field="type", tag="url", forbid_unknown_fiel
 
 class ImageBlock(msgspec.Struct, tag_field="type", tag="image", forbid_unknown_fields=True):
     source: Base64Source | URLSource
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
 
 
 class ToolUseBlock(msgspec.Struct, tag_field="type", tag="tool_use", forbid_unknown_fields=True):
     id: str
     name: str
     input: dict[str, Any]
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
+    caller: dict[str, Any] | None = None  # ignored: which tool runner made the call
+    toolset_name: str | None = None  # ignored
 
 
 class ToolResultBlock(msgspec.Struct, tag_field="type", tag="tool_result", forbid_unknown_fields=True):
     tool_use_id: str
-    content: str | list[TextBlock] | None = None
+    content: str | list[TextBlock | ImageBlock] | None = None
     is_error: bool = False
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
 
     def text(self) -> str:
+        """The result's text; its images are not passed to the model."""
         if isinstance(self.content, list):
-            return "".join(block.text for block in self.content)
+            return "".join(block.text for block in self.content if isinstance(block, TextBlock))
         return self.content or ""
 
 
@@ -55,19 +65,33 @@ class ThinkingBlock(msgspec.Struct, tag_field="type", tag="thinking", forbid_unk
     signature: str | None = None
 
 
-Block = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+class RedactedThinkingBlock(msgspec.Struct, tag_field="type", tag="redacted_thinking", forbid_unknown_fields=True):
+    data: str
+
+
+Block = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # "system": a system message in the conversation
     content: str | list[Block]
 
 
 class Tool(msgspec.Struct, forbid_unknown_fields=True):
+    """A tool the client runs (the SDK's "custom" type); Anthropic's server tools are not offered."""
+
     name: Annotated[str, Meta(min_length=1, max_length=128)]
     input_schema: dict[str, Any]
     description: str | None = None
-    cache_control: dict[str, Any] | None = None
+    type: Literal["custom"] | None = None
+    cache_control: CacheControl | None = None
+    # Ignored: the model sees every tool up front, and calls are checked only
+    # as the grammar of a forced tool choice checks them.
+    defer_loading: bool | None = None
+    strict: bool | None = None
+    input_examples: list[dict[str, Any]] | None = None
+    allowed_callers: list[str] | None = None
+    eager_input_streaming: bool | None = None
 
 
 class ToolChoiceAuto(msgspec.Struct, tag_field="type", tag="auto", forbid_unknown_fields=True):
@@ -87,34 +111,88 @@ class ToolChoiceNone(msgspec.Struct, tag_field="type", tag="none", forbid_unknow
     pass
 
 
-class ThinkingConfig(msgspec.Struct, forbid_unknown_fields=True):
-    type: Literal["enabled", "disabled"]
-    budget_tokens: Annotated[int, Meta(ge=1)] | None = None
+ToolChoice = ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone
+Display = Literal["summarized", "omitted"]
 
 
-class MessagesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class ThinkingEnabled(msgspec.Struct, tag_field="type", tag="enabled", forbid_unknown_fields=True):
+    budget_tokens: Annotated[int, Meta(ge=1)] | None = None  # not enforced: the template's switch only
+    display: Display | None = None
+
+
+class ThinkingAdaptive(msgspec.Struct, tag_field="type", tag="adaptive", forbid_unknown_fields=True):
+    display: Display | None = None
+
+
+class ThinkingBetweenTools(msgspec.Struct, tag_field="type", tag="between_tools", forbid_unknown_fields=True):
+    pass
+
+
+class ThinkingDisabled(msgspec.Struct, tag_field="type", tag="disabled", forbid_unknown_fields=True):
+    pass
+
+
+Thinking = ThinkingEnabled | ThinkingAdaptive | ThinkingBetweenTools | ThinkingDisabled
+
+
+class JSONOutputFormat(msgspec.Struct, tag_field="type", tag="json_schema", forbid_unknown_fields=True):
+    schema: dict[str, Any]
+
+
+class OutputConfig(msgspec.Struct, forbid_unknown_fields=True):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: JSONOutputFormat | None = None
+
+
+class Metadata(msgspec.Struct, forbid_unknown_fields=True):
+    user_id: str | None = None
+
+
+class Conversation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What /v1/messages and /v1/messages/count_tokens both take."""
+
     model: str
-    max_tokens: Annotated[int, Meta(ge=1, le=MAX_INT)]
     messages: Annotated[list[Message], Meta(min_length=1)]
     system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    cache_control: CacheControl | None = None
+    # Earlier thinking is never rendered into the prompt, so a clear_thinking
+    # edit is what mlxd always does; other edits are ignored.
+    context_management: dict[str, Any] | None = None
+    # Ignored: Anthropic's own services (containers, MCP servers, regions,
+    # tiers, fallbacks, beta flags, accounts).
+    betas: list[str] | None = None
+    billing_policy: Any = None
+    compaction: Any = None
+    container: Any = None
+    diagnostics: Any = None
+    fallback_credit_token: str | None = None
+    fallbacks: Any = None
+    inference_geo: str | None = None
+    mcp_servers: list[Any] | None = None
+    service_tier: str | None = None
+    speed: str | None = None
+    thread: Any = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+
+
+class MessagesRequest(Conversation, kw_only=True):
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_INT)]
     stop_sequences: Annotated[list[str], Meta(max_length=16)] | None = None
+    # No longer arguments of the SDK's create(), but sent by clients in extra_body.
     temperature: Annotated[float, Meta(ge=0, le=1)] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
     top_k: Annotated[int, Meta(ge=0, le=MAX_INT)] | None = None
     stream: bool = False
-    metadata: dict[str, Any] | None = None
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone | None = None
-    thinking: ThinkingConfig | None = None
+    metadata: Metadata | None = None
 
 
-class CountTokensRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    model: str
-    messages: Annotated[list[Message], Meta(min_length=1)]
-    system: str | list[TextBlock] | None = None
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone | None = None
-    thinking: ThinkingConfig | None = None
+class CountTokensRequest(Conversation, kw_only=True):
+    pass
 
 
 # ---- responses --------------------------------------------------------------

@@ -118,7 +118,7 @@ ANTHROPIC_BAD = [
     ({"max_tokens": 8, "messages": MESSAGES}, 400),  # no model
     ({"model": MODEL_NAME, "messages": MESSAGES}, 400),  # no max_tokens
     ({"model": MODEL_NAME, "max_tokens": 8, "messages": []}, 400),
-    ({"model": MODEL_NAME, "max_tokens": 8, "messages": [{"role": "system", "content": "x"}]}, 400),
+    ({"model": MODEL_NAME, "max_tokens": 8, "messages": [{"role": "developer", "content": "x"}]}, 400),
     ({"model": MODEL_NAME, "max_tokens": 8, "messages": MESSAGES, "temperature": 1.5}, 400),
     ({"model": MODEL_NAME, "max_tokens": 0, "messages": MESSAGES}, 400),
     ({"model": MODEL_NAME, "max_tokens": 8, "messages": MESSAGES, "stop_sequences": [""]}, 400),
@@ -153,3 +153,55 @@ def test_tool_choice_none_renders_no_tools(client, reference):
     message = client.messages.create(model=MODEL_NAME, max_tokens=12, messages=MESSAGES, tools=[tool],
                                      tool_choice={"type": "none"}, extra_body=GREEDY)
     assert message.content[0].text == expected.text and message.stop_reason != "tool_use"
+
+
+def test_a_request_as_claude_code_sends_it(client, reference):
+    """The fields the current SDK's (beta) types define, on ?beta=true, as Claude Code sends them:
+    a system message inside the conversation, adaptive thinking shown as omitted, output_config's
+    effort, context_management, cache_control, tool fields, earlier (redacted) thinking."""
+    history = [
+        {"role": "user", "content": [{"type": "text", "text": "Hello there", "cache_control": {"type": "ephemeral"}}]},
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"},
+                                          {"type": "redacted_thinking", "data": "xyz"},
+                                          {"type": "text", "text": "Hi"}]},
+        {"role": "user", "content": "And now?"},
+    ]
+    tools = [{"name": "Bash", "description": "Run a command", "type": "custom", "defer_loading": False,
+              "strict": True, "input_examples": [{"command": "ls"}], "cache_control": {"type": "ephemeral"},
+              "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}]
+    message = client.beta.messages.create(
+        model=MODEL_NAME, max_tokens=12, system=[{"type": "text", "text": SYSTEM}], messages=history, tools=tools,
+        thinking={"type": "adaptive", "display": "omitted"}, output_config={"effort": "high"},
+        context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        cache_control={"type": "ephemeral"}, metadata={"user_id": "u-1"}, betas=["context-management-2025-06-27"],
+        extra_body=GREEDY,
+    )
+    rendered = chat_of(SYSTEM, [{"role": "user", "content": "Hello there"},
+                                {"role": "system", "content": "Answer in one word."},
+                                {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "And now?"}])
+    # The tiny model's template renders no tools: the prompt is the conversation alone.
+    expected = reference.greedy(reference.chat_prompt(rendered), 12)
+    assert message.content[0].text == expected.text
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == len(reference.chat_prompt(rendered))
+
+
+def test_fields_the_sdk_does_not_define_are_still_refused(server):
+    body = {"model": MODEL_NAME, "max_tokens": 4, "messages": MESSAGES}
+    for extra, param in (({"frobnicate": 1}, "frobnicate"), ({"output_config": {"verbosity": "low"}},
+                                                             "output_config.verbosity"),
+                         ({"tools": [{"name": "t", "input_schema": {}, "color": "red"}]}, "tools[0].color")):
+        r = server.http.post("/v1/messages?beta=true", json={**body, **extra})
+        assert r.status_code == 400, r.text
+        assert r.json()["type"] == "error" and param in r.json()["error"]["message"]
+
+
+def test_output_config_format_constrains_the_output_to_the_schema(client):
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 6}},
+              "required": ["answer"], "additionalProperties": False}
+    message = client.messages.create(model=MODEL_NAME, max_tokens=40, messages=MESSAGES,
+                                     output_config={"format": {"type": "json_schema", "schema": schema}})
+    if message.stop_reason == "end_turn":
+        assert set(json.loads(message.content[0].text)) == {"answer"}
+    else:  # out of tokens mid-object: still a prefix the grammar allowed
+        assert message.content[0].text.startswith('{"answer"')
