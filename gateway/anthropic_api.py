@@ -42,6 +42,7 @@ from gateway.plan import (
     Plan,
     SamplingParams,
     nonempty_stops,
+    reasoning_switches,
     template_message,
     template_tool_call,
     tool_definitions,
@@ -94,18 +95,9 @@ def chat_input(body: Conversation) -> ChatInput:
 
 
 def template_kwargs(body: Conversation) -> dict | None:
-    """The chat template's reasoning switches: `enable_thinking` from
-    `thinking` (or from `output_config.effort`: on unless "low"), and
-    `reasoning_effort` (low, medium or high) from the effort; a template
-    without such a switch ignores it."""
-    kwargs: dict = {}
     effort = body.output_config.effort if body.output_config else None
-    if effort is not None:
-        kwargs["reasoning_effort"] = "high" if effort in ("xhigh", "max") else effort
-        kwargs["enable_thinking"] = effort != "low"
-    if body.thinking is not None:
-        kwargs["enable_thinking"] = not isinstance(body.thinking, ThinkingDisabled)
-    return kwargs or None
+    thinking = None if body.thinking is None else not isinstance(body.thinking, ThinkingDisabled)
+    return reasoning_switches(effort, thinking)
 
 
 def tools(body: Conversation) -> list[dict] | None:

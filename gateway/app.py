@@ -21,6 +21,7 @@ from gateway.errors import APIError, api_error_handler, http_error_handler, inte
 from gateway.health import worker_status
 from gateway.metrics import RequestCounter
 from gateway.openai_api import OpenAIAPI
+from gateway.openai_responses import ResponsesAPI, ResponseStore
 from gateway.responses import MsgspecResponse
 from gateway.security import Guard, KeyRing, check_bind_policy, keys_required
 from gateway.serving import Serving
@@ -58,6 +59,7 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
     serving = Serving(link, settings, announced_name(worker_settings) if worker_settings else None)
     api = OpenAIAPI(serving)
     anthropic = AnthropicAPI(serving)
+    responses = ResponsesAPI(serving, ResponseStore(settings.responses_store_max, settings.responses_store_ttl_s))
 
     async def health(request: Request) -> Response:
         status = "draining" if serving.draining else "ok"
@@ -134,6 +136,9 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
             Route("/v1/models/{model:path}", api.model, methods=["GET"]),
             Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
             Route("/v1/completions", api.completions, methods=["POST"]),
+            Route("/v1/responses", responses.create, methods=["POST"]),
+            Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+            Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
             Route("/v1/messages", anthropic.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
             Route("/v1/requests/{request_id}/cancel", cancel, methods=["POST"]),
@@ -145,7 +150,7 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
         },
         middleware=[
             # Outermost first: CORS answers browser preflights before any key check.
-            *([Middleware(CORSMiddleware, allow_origins=settings.cors_origin, allow_methods=["GET", "POST"],
+            *([Middleware(CORSMiddleware, allow_origins=settings.cors_origin, allow_methods=["GET", "POST", "DELETE"],
                           allow_headers=["Authorization", "Content-Type", "x-api-key"])]
               if settings.cors_origin else []),
             Middleware(RequestCounter, metrics=serving.metrics),

@@ -6,6 +6,7 @@ naming the field)."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import msgspec
 from starlette.exceptions import HTTPException
@@ -95,17 +96,33 @@ def decode_body(body: bytes, request_type: type):
     try:
         return msgspec.json.decode(body, type=request_type, strict=False)
     except msgspec.ValidationError as e:
-        message = str(e)
-        match = _PATH.search(message)
-        # msgspec writes a dict's keys as [...]; the dict itself is the parameter.
-        param = match.group(1).replace("[...]", "") if match and match.group(1) else None
-        unknown = re.match(r"Object contains unknown field `(.+?)`", message)
-        if unknown:
-            name = f"{param}.{unknown.group(1)}" if param else unknown.group(1)
-            raise APIError(400, f"Unsupported parameter: '{name}'", param=name, code="unsupported_parameter")
-        raise APIError(400, message, param=param) from None
+        raise invalid(e) from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"The body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def convert(value: Any, kind: type, param: str) -> Any:
+    """A part of a body decoded loosely (as plain JSON) checked as a `kind`, or a 400 naming its path under `param`."""
+    try:
+        return msgspec.convert(value, kind, strict=False)
+    except msgspec.ValidationError as e:
+        raise invalid(e, param) from None
+
+
+def invalid(error: msgspec.ValidationError, under: str = "") -> APIError:
+    """The 400 for a value that does not validate, naming its parameter (under `under`, for a part of a body)."""
+    message = str(error)
+    match = _PATH.search(message)
+    # msgspec writes a dict's keys as [...]; the dict itself is the parameter.
+    path = match.group(1).replace("[...]", "") if match and match.group(1) else ""
+    param = under + ("." if under and path and not path.startswith("[") else "") + path or None
+    unknown = re.match(r"Object contains unknown field `(.+?)`", message)
+    if unknown:
+        name = f"{param}.{unknown.group(1)}" if param else unknown.group(1)
+        return APIError(400, f"Unsupported parameter: '{name}'", param=name, code="unsupported_parameter")
+    if under:
+        message = _PATH.sub(f" - at `{param}`", message) if match else f"{message} - at `{param}`"
+    return APIError(400, message, param=param)
 
 
 # Starlette types every handler as taking an Exception; each is registered

@@ -96,9 +96,11 @@ class Plan:
     json_output: bool = False  # the output must be JSON ...
     json_schema: dict | None = None  # ... following this schema, when there is one
 
+    messages_param: str = "messages"  # the body's name for the conversation, for errors
+
     @property
     def prompt_param(self) -> str:
-        return "messages" if isinstance(self.prompt, ChatInput) else "prompt"
+        return self.messages_param if isinstance(self.prompt, ChatInput) else "prompt"
 
     def grammar(self, tool_family: str) -> str | None:
         """The grammar the output must follow: a forced tool call, or JSON."""
@@ -159,3 +161,19 @@ def template_tool_call(call_id: str, name: str, arguments: str | dict) -> dict:
         parsed = arguments_object(arguments)
         arguments = arguments if parsed is None else parsed
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def reasoning_switches(effort: str | None, thinking: bool | None = None) -> dict | None:
+    """The chat template's reasoning switches for an API's reasoning effort
+    and thinking on/off: `reasoning_effort` (low, medium or high: stronger
+    efforts are high, "minimal" and "none" are low) and `enable_thinking`
+    (off for a low effort unless `thinking` says otherwise). A template
+    without such a switch ignores it."""
+    kwargs: dict = {}
+    if effort is not None:
+        low = effort in ("none", "minimal", "low")
+        kwargs["reasoning_effort"] = "low" if low else "medium" if effort == "medium" else "high"
+        kwargs["enable_thinking"] = not low
+    if thinking is not None:
+        kwargs["enable_thinking"] = thinking
+    return kwargs or None

@@ -205,7 +205,7 @@ class Serving:
                            param=source.images[0].param, code="unsupported_content")
         decoded = await self.images.load(source.images) if source.images else None
         return await self.tokenize(worker.tokenizer.chat_prompt, source.messages, plan.tools,
-                                   source.template_kwargs, decoded)
+                                   source.template_kwargs, decoded, param=plan.prompt_param)
 
     async def respond(self, request: Request, plan: Plan, renderer: Renderer) -> Response:
         """Serve one API request: SSE events or one body, written by the renderer."""

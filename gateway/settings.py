@@ -89,6 +89,11 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     max_request_image_bytes: Annotated[
         int, Meta(ge=1, description="encoded size of all of a request's images (413 beyond)")
     ] = 20 << 20
+    responses_store_max: Annotated[
+        int, Meta(ge=0, description="responses kept for previous_response_id and GET /v1/responses/{id} "
+                                    "(the oldest go first; 0 keeps none)")
+    ] = 1000
+    responses_store_ttl_s: Annotated[float, Meta(gt=0, description="how long a stored response is kept")] = 3600.0
     log_prompts: Annotated[bool, Meta(description="log prompts and completions (never logged otherwise)")] = False
     curve_secret_key: Annotated[
         str | None, Meta(description="the gateway's CURVE secret key file (`mlxd keys generate`); needed for tcp://")

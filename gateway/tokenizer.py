@@ -97,6 +97,8 @@ class Tokenizer:
         """
         if not self.has_chat_template:
             raise PromptError("this model has no chat template; use /v1/completions")
+        if not messages:
+            raise PromptError("there is nothing to answer: the conversation has no message with content")
         template_tools: list[dict[str, Any] | Callable[..., Any]] | None = list(tools) if tools else None
         vision = self.processor is not None
         messages = [{**m, "content": _template_content(m["content"], vision)} for m in messages]

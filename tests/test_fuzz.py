@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import MODEL_NAME, Server
 
-PATHS = ["/v1/chat/completions", "/v1/completions"]
+PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
 # The parameters the endpoints know (unknown ones are a 400 at once, which
 # test_any_json covers), so that generated bodies reach the deeper checks.
 FIELDS = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n",
@@ -64,6 +64,29 @@ completion_bodies = st.fixed_dictionaries(
     optional={name: field_values(name) for name in FIELDS},
 )
 
+input_item = st.one_of(
+    message,
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.text(max_size=8),
+                           "name": st.text(max_size=8), "arguments": st.text(max_size=40) | json_values}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.text(max_size=8),
+                           "output": st.text(max_size=40) | json_values}),
+    st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "web_search_call", "message"]),
+                           "summary": json_values}),
+)
+responses_bodies = st.fixed_dictionaries(
+    {"model": st.sampled_from([MODEL_NAME, MODEL_NAME, MODEL_NAME, "gpt-4"]),
+     "input": st.text(max_size=200) | st.lists(input_item, min_size=1, max_size=3) | json_values},
+    optional={"max_output_tokens": st.integers(-2, 20) | json_values, "temperature": field_values("temperature"),
+              "top_p": field_values("top_p"), "stream": field_values("stream"), "instructions": json_values,
+              "previous_response_id": st.text(max_size=10), "store": json_values,
+              "tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]),
+                                                      "name": st.text(max_size=8)}), max_size=2) | json_values,
+              "tool_choice": st.sampled_from(["auto", "none", "required"]) | json_values,
+              "text": st.fixed_dictionaries({"format": st.fixed_dictionaries(
+                  {"type": st.sampled_from(["text", "json_object", "json_schema"])})}) | json_values,
+              "reasoning": st.fixed_dictionaries({"effort": st.sampled_from(["low", "high", "max"])}) | json_values},
+)
+
 
 @pytest.fixture(scope="module")
 def fuzzed(tiny_model, tmp_path_factory):
@@ -87,7 +110,11 @@ def send(server: Server, path: str, content: bytes) -> None:
     if r.status_code >= 400:
         assert "error" in json.loads(body)
     elif r.headers["content-type"].startswith("text/event-stream"):
-        assert body.rstrip().endswith(b"data: [DONE]")
+        if path == "/v1/responses":
+            last = json.loads(body.rstrip().rsplit(b"\ndata: ", 1)[1])
+            assert last["type"] in ("response.completed", "response.incomplete", "response.failed")
+        else:
+            assert body.rstrip().endswith(b"data: [DONE]")
 
 
 FUZZ = settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -103,6 +130,12 @@ def test_chat_bodies(fuzzed, body):
 @given(body=completion_bodies)
 def test_completion_bodies(fuzzed, body):
     send(fuzzed, PATHS[1], json.dumps(body).encode())
+
+
+@FUZZ
+@given(body=responses_bodies)
+def test_responses_bodies(fuzzed, body):
+    send(fuzzed, PATHS[2], json.dumps(body).encode())
 
 
 @settings(max_examples=150, deadline=None)

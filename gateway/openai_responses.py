@@ -1,0 +1,387 @@
+"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
+
+A body (with the conversation of its `previous_response_id`, when it names
+one) becomes a Plan; `Serving.respond` runs it; a `ResponseOutput` renders its
+Deltas as the API's typed event sequence or one response object, and keeps
+it (`store`) for later turns and GET, in a `ResponseStore` bounded by count
+and age, where only the client that stored a response can see it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.errors import APIError, convert, decode_body
+from gateway.images import ImageSource
+from gateway.openai_responses_schema import (
+    ITEM_TYPES,
+    CreateResponse,
+    FunctionCallItem,
+    FunctionCallOut,
+    FunctionCallOutputItem,
+    FunctionTool,
+    IncompleteDetails,
+    InputImage,
+    InputText,
+    InputTokensDetails,
+    MessageItem,
+    OutputItem,
+    OutputMessage,
+    OutputText,
+    OutputTextPart,
+    OutputTokensDetails,
+    ReasoningOut,
+    ReasoningText,
+    ResponseError,
+    ResponseObject,
+    ResponseUsage,
+    TextFormatJSONObject,
+    TextFormatJSONSchema,
+)
+from gateway.output_processor import Delta, RequestGroup
+from gateway.parsing import ToolCall
+from gateway.plan import (
+    ChatInput,
+    NamedTool,
+    Plan,
+    SamplingParams,
+    reasoning_switches,
+    template_message,
+    template_tool_call,
+    tool_definitions,
+)
+from gateway.responses import MsgspecResponse
+from gateway.serving import Choice, Serving
+
+_json = msgspec.json.Encoder()
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass
+class StoredResponse:
+    client_id: str
+    response: ResponseObject
+    # The conversation so far, this response's output included (without the
+    # instructions, which a later turn does not inherit), and its images.
+    messages: list[dict]
+    images: list[ImageSource]
+    stored_at: float
+
+
+class ResponseStore:
+    """Stored responses, oldest first: at most `max_count`, none older than `max_age_s`."""
+
+    def __init__(self, max_count: int, max_age_s: float) -> None:
+        self.max_count = max_count
+        self.max_age_s = max_age_s
+        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def put(self, stored: StoredResponse) -> None:
+        self._responses[stored.response.id] = stored
+        while len(self._responses) > self.max_count:
+            self._responses.popitem(last=False)
+
+    def get(self, client_id: str, response_id: str) -> StoredResponse | None:
+        """The response, if this client stored it and it has not expired."""
+        expired = time.monotonic() - self.max_age_s
+        while self._responses and next(iter(self._responses.values())).stored_at < expired:
+            self._responses.popitem(last=False)
+        stored = self._responses.get(response_id)
+        return stored if stored is not None and stored.client_id == client_id else None
+
+    def delete(self, client_id: str, response_id: str) -> bool:
+        if self.get(client_id, response_id) is None:
+            return False
+        del self._responses[response_id]
+        return True
+
+
+def input_items(body: CreateResponse) -> list[Any]:
+    if isinstance(body.input, str):
+        return [MessageItem("user", body.input)]
+    items = []
+    for i, raw in enumerate(body.input):
+        kind = ITEM_TYPES.get(raw.get("type", "message"))
+        if kind is None:
+            raise APIError(400, f"input items of type {raw.get('type')!r} are not supported", param=f"input[{i}].type")
+        items.append(convert(raw, kind, f"input[{i}]"))
+    return items
+
+
+def conversation(items: list[Any]) -> tuple[list[dict], list[ImageSource]]:
+    """Input items as chat template messages: a function call joins the
+    assistant message before it; earlier reasoning is not replayed."""
+    messages: list[dict] = []
+    images: list[ImageSource] = []
+    for i, item in enumerate(items):
+        if isinstance(item, MessageItem):
+            content = [InputText(item.content)] if isinstance(item.content, str) else item.content
+            parts: list[dict] = []
+            for j, part in enumerate(content):
+                if isinstance(part, (InputText, OutputText)):
+                    parts.append({"type": "text", "text": part.text})
+                elif isinstance(part, InputImage):
+                    if part.image_url is None:
+                        raise APIError(400, "an input_image needs an image_url (there is no Files API)",
+                                       param=f"input[{i}].content[{j}].image_url")
+                    images.append(ImageSource(f"input[{i}].content[{j}].image_url", url=part.image_url))
+                    parts.append({"type": "image"})
+            messages.append(template_message("system" if item.role == "developer" else item.role, parts))
+        elif isinstance(item, FunctionCallItem):
+            call = template_tool_call(item.call_id, item.name, item.arguments)
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append(template_message("assistant", [], [call]))
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append(template_message("tool", item.text(), tool_call_id=item.call_id))
+    return messages, images
+
+
+def function_tools(body: CreateResponse) -> list[dict]:
+    """The function tools, as the body gives them; hosted tools are not offered."""
+    return [msgspec.to_builtins(convert(tool, FunctionTool, f"tools[{i}]"))
+            for i, tool in enumerate(body.tools or []) if tool.get("type") == "function"]
+
+
+def responses_plan(body: CreateResponse, previous: StoredResponse | None) -> Plan:
+    messages, images = conversation(input_items(body))
+    if previous is not None:
+        messages, images = previous.messages + messages, previous.images + images
+    if body.instructions:
+        messages = [template_message("system", [{"type": "text", "text": body.instructions}]), *messages]
+    choice = body.tool_choice or "auto"
+    tools = tool_definitions(
+        [{"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
+                                           "parameters": t.get("parameters") or {"type": "object"}}}
+         for t in function_tools(body)],
+        choice if isinstance(choice, str) else NamedTool(choice.name),
+    )
+    text_format = body.text.format if body.text else None
+    effort = body.reasoning.effort if body.reasoning else None
+    return Plan(
+        model=body.model,
+        prompt=ChatInput(messages, images, reasoning_switches(effort)),
+        sampling=SamplingParams(temperature=body.temperature, top_p=body.top_p),
+        stops=[],
+        stream=bool(body.stream),
+        max_tokens=body.max_output_tokens,
+        max_tokens_param="max_output_tokens",
+        messages_param="input",
+        tools=tools,
+        force_tool_call=choice == "required" or not isinstance(choice, str),
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        json_output=isinstance(text_format, (TextFormatJSONObject, TextFormatJSONSchema)),
+        json_schema=text_format.schema if isinstance(text_format, TextFormatJSONSchema) else None,
+    )
+
+
+class ResponsesAPI:
+    def __init__(self, serving: Serving, store: ResponseStore) -> None:
+        self.serving = serving
+        self.store = store
+
+    async def create(self, request: Request) -> Response:
+        body = decode_body(await self.serving.read_body(request), CreateResponse)
+        client_id = request.scope["state"]["client_id"]
+        previous = None
+        if body.previous_response_id is not None:
+            previous = self.store.get(client_id, body.previous_response_id)
+            if previous is None:
+                raise APIError(404, f"no stored response {body.previous_response_id!r}", type="not_found_error",
+                               param="previous_response_id", code="previous_response_not_found")
+        plan = responses_plan(body, previous)
+        assert isinstance(plan.prompt, ChatInput)
+        conversation_so_far = (plan.prompt.messages[1:] if body.instructions else plan.prompt.messages,
+                               plan.prompt.images)
+
+        def keep(response: ResponseObject, output_messages: list[dict]) -> None:
+            if body.store is not False:
+                messages, images = conversation_so_far
+                self.store.put(StoredResponse(client_id, response, messages + output_messages, images,
+                                              time.monotonic()))
+
+        return await self.serving.respond(request, plan, ResponseOutput(body, function_tools(body), keep))
+
+    async def retrieve(self, request: Request) -> Response:
+        return MsgspecResponse(self._stored(request).response)
+
+    async def delete(self, request: Request) -> Response:
+        response_id = self._stored(request).response.id
+        self.store.delete(request.scope["state"]["client_id"], response_id)
+        return MsgspecResponse({"id": response_id, "object": "response", "deleted": True})
+
+    def _stored(self, request: Request) -> StoredResponse:
+        response_id = request.path_params["response_id"]
+        stored = self.store.get(request.scope["state"]["client_id"], response_id)
+        if stored is None:
+            raise APIError(404, f"no stored response {response_id!r}", type="not_found_error", param="response_id")
+        return stored
+
+
+class ResponseOutput:
+    """One response's renderer (serving.Renderer): the typed event sequence, or the response whole."""
+
+    def __init__(self, body: CreateResponse, tools: list[dict],
+                 keep: Callable[[ResponseObject, list[dict]], None]) -> None:
+        self.id = _new_id("resp")
+        self._body = body
+        self._tools = tools
+        self._keep = keep
+        self._created = int(time.time())
+        self._sequence = 0
+        self._items: list[OutputItem] = []
+        self._open: ReasoningOut | OutputMessage | None = None
+        self._finish: str | None = None
+
+    # ---- the response object ----
+
+    def _response(self, status: str, group: RequestGroup | None = None, error: APIError | None = None,
+                  ) -> ResponseObject:
+        body = self._body
+        usage: ResponseUsage | msgspec.UnsetType = msgspec.UNSET
+        if group is not None:
+            usage = ResponseUsage(group.prompt_tokens, InputTokensDetails(group.cached_tokens),
+                                  group.completion_tokens, OutputTokensDetails(),
+                                  group.prompt_tokens + group.completion_tokens)
+        return ResponseObject(
+            self.id, self._created, status, body.model, list(self._items), body.instructions, self._tools,
+            msgspec.to_builtins(body.tool_choice) if body.tool_choice is not None else "auto",
+            body.parallel_tool_calls is not False, body.temperature, body.top_p, body.metadata or {},
+            body.previous_response_id,
+            error=ResponseError("server_error" if error.status >= 500 else "invalid_prompt", error.message)
+            if error is not None else None,
+            incomplete_details=IncompleteDetails("max_output_tokens") if status == "incomplete" else None,
+            usage=usage, max_output_tokens=body.max_output_tokens, store=body.store is not False,
+            text=msgspec.to_builtins(body.text) if body.text and body.text.format else {"format": {"type": "text"}},
+        )
+
+    def _finished(self, group: RequestGroup, error: APIError | None) -> ResponseObject:
+        status = "failed" if error is not None else "incomplete" if self._finish == "length" else "completed"
+        response = self._response(status, group, error)
+        if error is None:
+            self._keep(response, self._messages())
+        return response
+
+    def _messages(self) -> list[dict]:
+        """This response's output as the conversation's next assistant message."""
+        text = "".join(p.text for item in self._items if isinstance(item, OutputMessage) for p in item.content)
+        calls = [template_tool_call(c.call_id, c.name, c.arguments) for c in self._items
+                 if isinstance(c, FunctionCallOut)]
+        return [template_message("assistant", [{"type": "text", "text": text}], calls)]
+
+    def body(self, choices: list[Choice], group: RequestGroup) -> ResponseObject:
+        (choice,) = choices
+        if choice.reasoning:
+            self._items.append(ReasoningOut(_new_id("rs"), [ReasoningText(choice.reasoning)]))
+        if choice.text.strip() or not choice.tool_calls:
+            self._items.append(OutputMessage(_new_id("msg"), "completed", [OutputTextPart(choice.text)]))
+        self._items += [self._call(c) for c in choice.tool_calls]
+        self._finish = choice.finish_reason
+        return self._finished(group, None)
+
+    @staticmethod
+    def _call(call: ToolCall) -> FunctionCallOut:
+        return FunctionCallOut(_new_id("fc"), call.id, call.name, call.arguments)
+
+    # ---- the event sequence ----
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        self._sequence += 1
+        payload = {"type": kind, "sequence_number": self._sequence, **fields}
+        return b"event: " + kind.encode() + b"\ndata: " + _json.encode(payload) + b"\n\n"
+
+    def opening(self, group: RequestGroup) -> list[bytes]:
+        response = msgspec.to_builtins(self._response("in_progress"))
+        return [self._event("response.created", response=response),
+                self._event("response.in_progress", response=response)]
+
+    def delta(self, delta: Delta) -> list[bytes]:
+        out = []
+        if delta.reasoning:
+            out += self._open_item(ReasoningOut(_new_id("rs"), [], status="in_progress"))
+            assert isinstance(self._open, ReasoningOut)
+            self._open.content[0].text += delta.reasoning
+            out.append(self._event("response.reasoning_text.delta", item_id=self._open.id,
+                                   output_index=len(self._items), content_index=0, delta=delta.reasoning))
+        if delta.text and (delta.text.strip() or isinstance(self._open, OutputMessage)):
+            out += self._open_item(OutputMessage(_new_id("msg"), "in_progress", []))
+            assert isinstance(self._open, OutputMessage)
+            self._open.content[0].text += delta.text
+            out.append(self._event("response.output_text.delta", item_id=self._open.id,
+                                   output_index=len(self._items), content_index=0, delta=delta.text, logprobs=[]))
+        for call in delta.tool_calls:
+            out += self._close_item()
+            item = self._call(call)
+            index = len(self._items)
+            added = msgspec.structs.replace(item, arguments="", status="in_progress")
+            out += [self._event("response.output_item.added", output_index=index, item=msgspec.to_builtins(added)),
+                    self._event("response.function_call_arguments.delta", item_id=item.id, output_index=index,
+                                delta=call.arguments),
+                    self._event("response.function_call_arguments.done", item_id=item.id, output_index=index,
+                                name=call.name, arguments=call.arguments),
+                    self._event("response.output_item.done", output_index=index, item=msgspec.to_builtins(item))]
+            self._items.append(item)
+        if delta.finish_reason is not None:
+            self._finish = delta.finish_reason
+        return out
+
+    def _open_item(self, item: ReasoningOut | OutputMessage) -> list[bytes]:
+        """Open an item of this kind unless one is open already (closing one of the other kind)."""
+        if type(self._open) is type(item):
+            return []
+        out = self._close_item()
+        self._open = item
+        index = len(self._items)
+        out.append(self._event("response.output_item.added", output_index=index, item=msgspec.to_builtins(item)))
+        if isinstance(item, OutputMessage):
+            part = OutputTextPart("")
+            item.content.append(part)
+            out.append(self._event("response.content_part.added", item_id=item.id, output_index=index,
+                                   content_index=0, part=msgspec.to_builtins(part)))
+        else:
+            item.content.append(ReasoningText(""))
+        return out
+
+    def _close_item(self) -> list[bytes]:
+        item = self._open
+        if item is None:
+            return []
+        self._open = None
+        index = len(self._items)
+        item.status = "completed"
+        (part,) = item.content
+        if isinstance(item, OutputMessage):
+            assert isinstance(part, OutputTextPart)
+            out = [self._event("response.output_text.done", item_id=item.id, output_index=index, content_index=0,
+                               text=part.text, logprobs=[]),
+                   self._event("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
+                               part=msgspec.to_builtins(part))]
+        else:
+            out = [self._event("response.reasoning_text.done", item_id=item.id, output_index=index, content_index=0,
+                               text=part.text)]
+        out.append(self._event("response.output_item.done", output_index=index, item=msgspec.to_builtins(item)))
+        self._items.append(item)
+        return out
+
+    def ending(self, group: RequestGroup, error: APIError | None) -> list[bytes]:
+        out = []
+        if error is None and not self._items and not isinstance(self._open, OutputMessage):
+            out += self._open_item(OutputMessage(_new_id("msg"), "in_progress", []))  # an empty answer
+        out += self._close_item()
+        response = self._finished(group, error)
+        kind = {"failed": "response.failed", "incomplete": "response.incomplete"}.get(response.status,
+                                                                                      "response.completed")
+        return out + [self._event(kind, response=msgspec.to_builtins(response))]

@@ -1,0 +1,150 @@
+"""OpenAI's Responses API through the whole stack, with the official openai SDK;
+every response and stream event validates against OpenAI's OpenAPI description."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import MODEL_NAME, Server
+from tests.scripted_model import make_scripted_model
+from tests.test_openapi_shapes import validate  # noqa: F401  (a fixture)
+from tests.test_tools import CALL, SCRIPTS
+
+KEYS = ["key-a", "key-b"]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def event_schema(event: dict) -> str:
+    """The spec's schema for an event: response.output_text.delta -> ResponseTextDeltaEvent."""
+    words = event["type"].removeprefix("response.").replace("output_text", "text").replace(".", "_").split("_")
+    return "Response" + "".join(w.capitalize() for w in words) + "Event"
+
+
+def test_create_matches_mlx_lm(client, reference, validate):
+    expected = reference.greedy(reference.chat_prompt([{"role": "user", "content": "Hello there"}]), 8)
+    response = client.responses.create(model=MODEL_NAME, input="Hello there", temperature=0, max_output_tokens=8)
+    assert response.output_text == expected.text
+    assert response.status == ("incomplete" if expected.finish_reason == "length" else "completed")
+    assert response.usage.output_tokens == len(expected.token_ids)
+    validate(response.model_dump(mode="json", exclude_unset=True), "Response")
+
+
+def test_stream_matches_mlx_lm_and_every_event_is_in_the_spec(server, reference, validate):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    expected = reference.greedy(reference.chat_prompt(messages), 8)
+    body = {"model": MODEL_NAME, "instructions": "Be brief.", "input": [{"role": "user", "content": "Hello there"}],
+            "temperature": 0, "max_output_tokens": 8, "stream": True}
+    events = []
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    for event in events:
+        validate(event, event_schema(event))
+        validate(event, "ResponseStreamEvent")
+    kinds = [e["type"] for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete" if expected.finish_reason == "length" else "response.completed"]
+    assert [e["sequence_number"] for e in events] == list(range(1, len(events) + 1))
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == expected.text == events[-1]["response"]["output"][0]["content"][0]["text"]
+
+
+def test_previous_response_id_continues_the_conversation(client, reference):
+    first = client.responses.create(model=MODEL_NAME, input="Hello there", temperature=0, max_output_tokens=6)
+    second = client.responses.create(model=MODEL_NAME, input="And now?", previous_response_id=first.id,
+                                     instructions="Be brief.", temperature=0, max_output_tokens=6)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"},
+                {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And now?"}]
+    assert second.output_text == reference.greedy(reference.chat_prompt(messages), 6).text
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    assert client.responses.delete(second.id) is None or True
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(second.id)
+
+
+def test_a_response_not_stored_cannot_be_continued(client):
+    unstored = client.responses.create(model=MODEL_NAME, input="Hello", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model=MODEL_NAME, input="Hi", previous_response_id=unstored.id)
+    assert e.value.body["param"] == "previous_response_id"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": MODEL_NAME, "input": "x", "frobnicate": 1}, "frobnicate"),
+    ({"model": MODEL_NAME, "input": [{"type": "web_search_call", "id": "w"}]}, "input[0].type"),
+    ({"model": MODEL_NAME, "input": [{"role": "user", "content": "x", "colour": 1}]}, "input[0].colour"),
+    ({"model": MODEL_NAME, "input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
+    ({"model": MODEL_NAME, "input": "x", "tools": [{"type": "function"}]}, "tools[0]"),
+    ({"model": MODEL_NAME, "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"model": MODEL_NAME, "input": "x", "tool_choice": "required"}, "tool_choice"),
+])
+def test_bad_input_is_a_400_naming_the_parameter(server, body, param):
+    r = server.http.post("/v1/responses", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"].startswith(param), error
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    markers, script = SCRIPTS["hermes"]
+    path = make_scripted_model(tmp_path_factory.mktemp("responses") / "model", script, markers)
+    args = ["serve", "--model", str(path), "--served-model-name", "scripted"]
+    for key in KEYS:
+        args += ["--api-key", key]
+    server = Server(args, path.parent / "serve.log")
+    server.wait_ready()
+    yield server
+    server.stop()
+
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+         {"type": "web_search"}]  # a hosted tool: not offered to the model
+
+
+def test_a_function_call_round_trip(tool_server, validate):
+    client = openai.OpenAI(base_url=tool_server.url + "/v1", api_key=KEYS[0], max_retries=0)
+    first = client.responses.create(model="scripted", input="Weather in Paris?", tools=TOOLS, temperature=0)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [(CALL["name"], CALL["arguments"])]
+    validate(first.model_dump(mode="json", exclude_unset=True), "Response")
+    with client.responses.stream(model="scripted", input="Weather in Paris?", tools=TOOLS, temperature=0) as stream:
+        final = stream.get_final_response()
+    assert [(c.name, c.arguments) for c in final.output if c.type == "function_call"] == [
+        (c.name, c.arguments) for c in calls]
+    # The tool's result goes back as an item, continuing the stored response.
+    second = client.responses.create(model="scripted", previous_response_id=first.id, tools=TOOLS, temperature=0,
+                                     input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                                             "output": "18 degrees and sunny"}])
+    assert second.usage.input_tokens > first.usage.input_tokens + 5
+    # The same turn with the whole history sent back instead, as Codex CLI does (store: false).
+    history = [{"role": "user", "content": "Weather in Paris?"}, *[item.model_dump(mode="json", by_alias=True) for item in first.output],
+               {"type": "function_call_output", "call_id": calls[0].call_id, "output": "18 degrees and sunny"}]
+    resent = client.responses.create(model="scripted", input=history, tools=TOOLS, temperature=0, store=False)
+    assert resent.usage.input_tokens == second.usage.input_tokens
+
+
+def test_a_stored_response_is_only_visible_to_the_key_that_stored_it(tool_server):
+    a, b = (openai.OpenAI(base_url=tool_server.url + "/v1", api_key=key, max_retries=0) for key in KEYS)
+    mine = a.responses.create(model="scripted", input="Hello", max_output_tokens=2)
+    assert a.responses.retrieve(mine.id).id == mine.id
+    with pytest.raises(openai.NotFoundError):
+        b.responses.retrieve(mine.id)
+    with pytest.raises(openai.NotFoundError):
+        b.responses.create(model="scripted", input="Hi", previous_response_id=mine.id)
+    with pytest.raises(openai.NotFoundError):
+        b.responses.delete(mine.id)
+    a.responses.delete(mine.id)
