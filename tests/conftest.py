@@ -1,8 +1,9 @@
-"""Fixtures: a tiny generated model, and real mlxd processes serving it."""
+"""Fixtures: a tiny generated model, real mlxd processes serving it, and OpenAI's response schemas."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -12,7 +13,11 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
+import referencing
+import referencing.jsonschema
+import yaml
 
 # The in-process mlx-lm reference must run on the same BLAS as the worker, or
 # the two would round differently. This must happen before mlx is imported.
@@ -161,3 +166,42 @@ def reference(tiny_model):
     from tests.reference import Reference
 
     return Reference(tiny_model)
+
+
+SPEC = Path(__file__).resolve().parents[2] / "shared" / "specs" / "openai-openapi.yaml"
+
+
+def json_schema_nulls(node):
+    """The spec mixes JSON Schema with OpenAPI 3.0's `nullable: true`, which a
+    JSON Schema validator ignores; spell it as JSON Schema."""
+    if isinstance(node, list):
+        return [json_schema_nulls(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: json_schema_nulls(v) for k, v in node.items()}
+    if node.pop("nullable", False) is True:
+        if "enum" in node:
+            node["enum"] = [*node["enum"], None]
+        if isinstance(node.get("type"), str):
+            node["type"] = [node["type"], "null"]
+        elif "type" not in node:
+            return {"anyOf": [node, {"type": "null"}]}
+    return node
+
+
+@pytest.fixture(scope="session")
+def validate():
+    """validate(instance, component): the instance matches the OpenAPI description's schema of that name."""
+    if not SPEC.exists():
+        pytest.fail(f"{SPEC} is missing: the OpenAPI description is needed to check response shapes")
+    spec = json_schema_nulls(yaml.load(SPEC.read_text(), Loader=yaml.CSafeLoader))
+    resource = referencing.Resource.from_contents(spec, default_specification=referencing.jsonschema.DRAFT202012)
+    registry = referencing.Registry().with_resource("urn:openai", resource)
+
+    def check(instance, component: str) -> None:
+        validator = jsonschema.Draft202012Validator({"$ref": f"urn:openai#/components/schemas/{component}"},
+                                                    registry=registry)
+        errors = sorted(validator.iter_errors(instance), key=lambda e: e.path)
+        assert not errors, f"{component}: {errors[0].message} at {list(errors[0].path)}\n{json.dumps(instance)[:500]}"
+
+    return check

@@ -5,55 +5,14 @@ them with strict response validation."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
-import jsonschema
 import openai
 import pytest
-import referencing
-import referencing.jsonschema
-import yaml
 
 from tests.conftest import MODEL_NAME
 
-SPEC = Path(__file__).resolve().parents[2] / "shared" / "specs" / "openai-openapi.yaml"
 MESSAGES = [{"role": "user", "content": "Hello there"}]
-
-
-def json_schema_nulls(node):
-    """The spec mixes JSON Schema with OpenAPI 3.0's `nullable: true`, which a
-    JSON Schema validator ignores; spell it as JSON Schema."""
-    if isinstance(node, list):
-        return [json_schema_nulls(n) for n in node]
-    if not isinstance(node, dict):
-        return node
-    node = {k: json_schema_nulls(v) for k, v in node.items()}
-    if node.pop("nullable", False) is True:
-        if "enum" in node:
-            node["enum"] = [*node["enum"], None]
-        if isinstance(node.get("type"), str):
-            node["type"] = [node["type"], "null"]
-        elif "type" not in node:
-            return {"anyOf": [node, {"type": "null"}]}
-    return node
-
-
-@pytest.fixture(scope="module")
-def validate():
-    if not SPEC.exists():
-        pytest.fail(f"{SPEC} is missing: the OpenAPI description is needed to check response shapes")
-    spec = json_schema_nulls(yaml.load(SPEC.read_text(), Loader=yaml.CSafeLoader))
-    resource = referencing.Resource.from_contents(spec, default_specification=referencing.jsonschema.DRAFT202012)
-    registry = referencing.Registry().with_resource("urn:openai", resource)
-
-    def check(instance, component: str) -> None:
-        validator = jsonschema.Draft202012Validator({"$ref": f"urn:openai#/components/schemas/{component}"},
-                                                    registry=registry)
-        errors = sorted(validator.iter_errors(instance), key=lambda e: e.path)
-        assert not errors, f"{component}: {errors[0].message} at {list(errors[0].path)}\n{json.dumps(instance)[:500]}"
-
-    return check
 
 
 def post(server, path: str, body: dict):

@@ -11,7 +11,6 @@ import pytest
 
 from tests.conftest import MODEL_NAME, Server
 from tests.scripted_model import make_scripted_model
-from tests.test_openapi_shapes import validate  # noqa: F401  (a fixture)
 from tests.test_tools import CALL, SCRIPTS
 
 KEYS = ["key-a", "key-b"]
