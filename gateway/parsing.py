@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from gateway.tool_formats import ToolFormat
 
 
 def _held_prefix(text: str, marker: str) -> int:
@@ -92,13 +95,19 @@ class ToolCall:
 class ToolCallParser:
     """Finds tool calls in one model family's format.
 
+    With a ToolFormat (one of mlx-lm's parsers, chosen by mlx-lm from the chat
+    template: gateway/tool_formats.py), a call is the text between its
+    markers, read by mlx-lm's parser. Without one, the formats mlx-lm has no
+    parser for, or whose templates it does not recognise:
     hermes   <tool_call>{"name": ..., "arguments": {...}}</tool_call>   (Qwen, Hermes, ...)
     mistral  [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
     llama3   {"name": ..., "parameters": {...}}  as the whole message (after <|python_tag|> if any)
     """
 
-    def __init__(self, family: str) -> None:
+    def __init__(self, family: str, tools: list[dict] | None = None, tool_format: ToolFormat | None = None) -> None:
         self.family = family
+        self._tools = tools
+        self._format = tool_format
         self._pending = ""
         self._in_call = False
         self._at_start = True
@@ -108,13 +117,18 @@ class ToolCallParser:
     def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
         """(content safe to emit, tool calls completed by this text)."""
         self._pending += text
+        if self._format is not None:
+            if self._format.end:
+                return self._feed_marked(self._format.start, self._format.end, self._parse_format, final)
+            return self._feed_whole(self._format.start, self._parse_format, final)
         if self.family == "hermes":
-            return self._feed_hermes(final)
-        return self._feed_whole(final)
+            return self._feed_marked("<tool_call>", "</tool_call>", self._parse, final)
+        return self._feed_whole("[TOOL_CALLS]" if self.family == "mistral" else "<|python_tag|>", self._parse, final)
 
-    def _feed_hermes(self, final: bool) -> tuple[str, list[ToolCall]]:
+    def _feed_marked(self, start: str, end: str, parse: Callable[[str], list[ToolCall] | None],
+                     final: bool) -> tuple[str, list[ToolCall]]:
+        """Calls between a start and an end marker, text around them."""
         content, calls = [], []
-        start, end = "<tool_call>", "</tool_call>"
         while True:
             if self._trim:
                 self._pending = self._pending.lstrip("\n")
@@ -130,7 +144,7 @@ class ToolCallParser:
             if at < 0 and not final:
                 break
             raw = self._pending[:at] if at >= 0 else self._pending
-            parsed = self._parse(raw)
+            parsed = parse(raw)
             if parsed is None:  # not a call after all: it stays text
                 content.append(start + raw + (end if at >= 0 else ""))
             else:
@@ -144,38 +158,48 @@ class ToolCallParser:
             self._pending = self._pending[len(self._pending) - keep:]
         return "".join(content), calls
 
-    def _feed_whole(self, final: bool) -> tuple[str, list[ToolCall]]:
-        """mistral and llama3: the call is the rest of the message from its marker on."""
+    def _feed_whole(self, marker: str, parse: Callable[[str], list[ToolCall] | None],
+                    final: bool) -> tuple[str, list[ToolCall]]:
+        """The call is the rest of the message from its marker on (mistral, llama3)."""
         if not self._in_call:
             stripped = self._pending.lstrip()
-            marker = "[TOOL_CALLS]" if self.family == "mistral" else "<|python_tag|>"
             if marker in self._pending:
                 before, _, self._pending = self._pending.partition(marker)
                 self._in_call = True
-                content, calls = self._finish_whole(final)
+                content, calls = self._finish_whole(final, parse)
                 return before + content, calls
-            if self.family == "llama3" and self._at_start and stripped.startswith("{"):
+            if self._format is None and self.family == "llama3" and self._at_start and stripped.startswith("{"):
                 self._in_call = True
-                return self._finish_whole(final)
+                return self._finish_whole(final, parse)
             if not stripped and not final:
                 return "", []
             keep = 0 if final else _held_prefix(self._pending, marker)
             out, self._pending = self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep:]
             self._at_start = self._at_start and not out.strip()
             return out, []
-        return self._finish_whole(final)
+        return self._finish_whole(final, parse)
 
-    def _finish_whole(self, final: bool) -> tuple[str, list[ToolCall]]:
+    def _finish_whole(self, final: bool, parse: Callable[[str], list[ToolCall] | None]) -> tuple[str, list[ToolCall]]:
         """At the end of the message: the calls, or the text if it holds none."""
         if not final:
             return "", []
         text, self._pending = self._pending, ""
-        parts = text.split(";") if self.family == "llama3" else [text]
-        parsed = [self._parse(part) for part in parts]
+        parts = text.split(";") if self._format is None and self.family == "llama3" else [text]
+        parsed = [parse(part) for part in parts]
         calls = [call for found in parsed if found is not None for call in found]
         if any(found is None for found in parsed):
             return text, []
         return "", calls
+
+    def _parse_format(self, text: str) -> list[ToolCall] | None:
+        """The calls mlx-lm's parser finds in the text; None if it finds none."""
+        assert self._format is not None
+        found = self._format.parse(text, self._tools)
+        if found is None:
+            return None
+        calls = [ToolCall(name, arguments, call_id) for name, arguments, call_id in found]
+        self.calls += calls
+        return calls
 
     def _parse(self, text: str) -> list[ToolCall] | None:
         """The calls a JSON object (or list of them) describes; None if it is not one."""
@@ -211,13 +235,18 @@ def detect_reasoning(chat_template: str, vocabulary: set[str]) -> tuple[str, str
     return None
 
 
-def stream_parsers(markers: tuple[str, str] | None, family: str, prompt_text: str, with_tools: bool):
-    """A function making each stream's own (reasoning splitter, tool-call parser), either None."""
+def stream_parsers(markers: tuple[str, str] | None, family: str, prompt_text: str,
+                   tools: list[dict] | None, tool_format: ToolFormat | None = None):
+    """A function making each stream's own (reasoning splitter, tool-call parser), either None.
+
+    tools: the request's tools (no tool-call parser without them); tool_format:
+    mlx-lm's parser for the model's format, if it has one.
+    """
     inside = markers is not None and prompt_text.rstrip().endswith(markers[0])
 
     def make() -> tuple[ReasoningSplitter | None, ToolCallParser | None]:
         return (ReasoningSplitter(*markers, inside=inside) if markers else None,
-                ToolCallParser(family) if with_tools else None)
+                ToolCallParser(family, tools, tool_format) if tools else None)
 
     return make
 

@@ -102,12 +102,16 @@ class Plan:
     def prompt_param(self) -> str:
         return self.messages_param if isinstance(self.prompt, ChatInput) else "prompt"
 
-    def grammar(self, tool_family: str) -> str | None:
-        """The grammar the output must follow: a forced tool call, or JSON."""
+    def grammar(self, tool_family: str | None) -> str | None:
+        """The grammar the output must follow: a forced tool call (in the
+        model's tool-call format, `tool_family`; None: one with no grammar), or JSON."""
         if self.force_tool_call and self.json_output:
             raise APIError(400, "a forced tool_choice and a JSON response_format cannot both constrain the output",
                            param="response_format")
         if self.force_tool_call and self.tools:
+            if tool_family is None:
+                raise APIError(400, "a forced tool_choice is not supported for this model's tool-call format; "
+                               "use tool_choice auto", param="tool_choice")
             return forced_tool_call_grammar(self.tools, tool_family)
         if self.json_output:
             return json_schema_grammar(self.json_schema)

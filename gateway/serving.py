@@ -232,8 +232,9 @@ class Serving:
                                      plan.max_tokens_param)
         family = worker.tokenizer.tool_family
         samplings = plan.sampling.samplings(worker.sampling, worker.hello.vocab_size, max_tokens,
-                                            plan.grammar(family))
-        parsers = (stream_parsers(worker.tokenizer.reasoning_markers, family, prompt.text, bool(plan.tools))
+                                            plan.grammar(forced_call_format(worker)))
+        parsers = (stream_parsers(worker.tokenizer.reasoning_markers, family, prompt.text, plan.tools,
+                                  worker.tool_format)
                    if isinstance(plan.prompt, ChatInput) else None)
         ids = [request_id] if len(samplings) == 1 else [f"{request_id}-{i}" for i in range(len(samplings))]
         queue: asyncio.Queue[Delta] = asyncio.Queue()
@@ -335,6 +336,14 @@ class Serving:
     def _log_completion(self, request_id: str, texts: list[str]) -> None:
         if self.settings.log_prompts:
             log.info("%s completion: %r", request_id, texts if len(texts) > 1 else texts[0])
+
+
+def forced_call_format(worker: WorkerState) -> str | None:
+    """The tool-call format a forced call's grammar is written in (gateway/structured.py):
+    the model's own family, or None for a format of mlx-lm's that has no grammar here."""
+    if worker.tool_format is None:
+        return worker.tokenizer.tool_family
+    return {"json_tools": "hermes", "mistral": "mistral"}.get(worker.tool_format.name)
 
 
 def delta_error(delta: Delta) -> APIError:

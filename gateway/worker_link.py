@@ -31,6 +31,7 @@ from gateway.liveness import UNHEALTHY, Liveness, Vitals
 from gateway.output_processor import OutputProcessor, RequestState
 from gateway.sampling_defaults import SamplingDefaults, sampling_defaults
 from gateway.tokenizer import Tokenizer, files_digest
+from gateway.tool_formats import ToolFormat, load_tool_format
 from gateway.transport import Transport
 from protocol import (
     PROTOCOL_VERSION,
@@ -71,6 +72,7 @@ class WorkerState:
     accepted_at: float
     vitals: Vitals
     sampling: SamplingDefaults  # for requests that leave sampling parameters out
+    tool_format: ToolFormat | None  # mlx-lm's parser for the model's tool calls (Hello.tool_parser)
     waiting: int = 0
     affinity: AffinityReport | None = None
     prefix_cache: PrefixCacheStats | None = None
@@ -275,7 +277,8 @@ class WorkerLink:
         self.stats.workers_accepted += 1
         vitals = Vitals(self.worker_timeout_s, self.hung_worker_s, last_beat=now, last_progress=now)
         self.worker = WorkerState(identity, hello, tokenizer, accepted_at=now, vitals=vitals,
-                                  sampling=sampling_defaults(hello.tokenizer_files))
+                                  sampling=sampling_defaults(hello.tokenizer_files),
+                                  tool_format=load_tool_format(hello.tool_parser))
         self._send(identity, Welcome(hello.epoch))
         self._ready.set()
         log.info(

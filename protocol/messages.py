@@ -110,6 +110,9 @@ class Hello(_Message, tag="hello"):
     # The identity of the weights (and config) this worker serves: a request
     # resumes after a lost worker only on one whose digest is the same.
     model_digest: str = ""
+    # The tool-call parser mlx-lm chose for the model from its chat template
+    # (a module of mlx_lm.tool_parsers, e.g. "qwen3_coder"); "" for none.
+    tool_parser: str = ""
 
 
 FinishReason = Literal["stop", "length"]

@@ -26,6 +26,17 @@ SCRIPTS = {
     "mistral": ("[TOOL_CALLS]", ["[TOOL_CALLS]", json.dumps([CALL])]),
     "llama3": ("<|python_tag|>", [json.dumps({"name": "get_weather", "parameters": {"city": "Paris"}})]),
     "reasoning": ("<think>", ["<think>", "\nThe user wants the capital.\n", "</think>", "\n\nParis."]),
+    # Formats mlx-lm has parsers for, detected by mlx-lm from these markers in the template.
+    "qwen3_coder": ("<tool_call>\n<function=", ["Let me check.", "<tool_call>",
+                                                 "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                                                 "</function>\n", "</tool_call>"]),
+    "glm47": ("<arg_key>", ["<tool_call>", "get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>",
+                            "</tool_call>"]),
+    "minimax_m2": ("<minimax:tool_call>", ["<minimax:tool_call>",
+                                           '<invoke name="get_weather"><parameter name="city">Paris</parameter>'
+                                           "</invoke>", "</minimax:tool_call>"]),
+    "gemma4": ("<|tool_call> <tool_call|>", ["<|tool_call>", 'call:get_weather{city:<|"|>Paris<|"|>}',
+                                             "<tool_call|>"]),
 }
 
 
@@ -72,7 +83,7 @@ def streamed(client, **kwargs):
     return content, reasoning, [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())], finish
 
 
-@pytest.mark.parametrize("family", ["hermes", "mistral", "llama3"])
+@pytest.mark.parametrize("family", ["hermes", "mistral", "llama3", "qwen3_coder", "glm47", "minimax_m2", "gemma4"])
 def test_tool_calls_parsed_for_each_family(scripted, family):
     client = openai_client(scripted(family))
     response = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, temperature=0)
@@ -80,7 +91,7 @@ def test_tool_calls_parsed_for_each_family(scripted, family):
     assert choice.finish_reason == "tool_calls"
     assert calls_of(choice.message) == [("get_weather", {"city": "Paris"})]
     assert choice.message.tool_calls[0].id.startswith("call_")
-    expected_content = "Let me check." if family == "hermes" else None
+    expected_content = "Let me check." if family in ("hermes", "qwen3_coder") else None
     assert choice.message.content == expected_content
     content, _, calls, finish = streamed(client, messages=ASK, tools=TOOLS, temperature=0)
     assert calls == calls_of(choice.message)
@@ -196,3 +207,10 @@ def test_anthropic_thinking_blocks(scripted):
         names = [line[7:] for line in r.iter_lines() if line.startswith("event: ")]
     assert_event_grammar(names)
     assert names.count("content_block_start") == 2
+
+
+def test_a_forced_call_in_a_format_without_a_grammar_is_a_clear_400(scripted):
+    client = openai_client(scripted("glm47"))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, tool_choice="required")
+    assert e.value.body["param"] == "tool_choice"

@@ -53,6 +53,7 @@ class LoadedModel:
     dequantized: bool = False  # quantized layers run as float32 (dequantize_for_cpu)
     # What the worker serves, as weights: see model_digest.
     digest: str = ""
+    tool_parser: str = ""  # the mlx_lm.tool_parsers module mlx-lm chose from the chat template, if any
 
 
 def _text_config(config: dict) -> dict:
@@ -167,4 +168,5 @@ def _load(path: Path, name: str, context_length: int | None, cpu_dequantize: boo
         },
         image_token_id=image_token_id,
         dequantized=bool(dequantized),
+        tool_parser=tokenizer.tool_parser.__module__.rpartition(".")[2] if tokenizer.has_tool_calling else "",
     )

@@ -86,6 +86,7 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         tokenizer_files=loaded.tokenizer_files,
         vision=vision is not None,
         model_digest=loaded.digest,
+        tool_parser=loaded.tool_parser,
     )
     try:
         worker = Worker(settings, engine, hello, affinity)

@@ -123,7 +123,8 @@ def test_reasoning_markers_from_template_or_vocabulary():
 
 
 def test_stream_parsers_make_fresh_parsers_per_stream():
-    make = stream_parsers(("<think>", "</think>"), "hermes", "prompt <think>", with_tools=True)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    make = stream_parsers(("<think>", "</think>"), "hermes", "prompt <think>", tools)
     (first, tools_a), (_, tools_b) = make(), make()
     assert first.inside and tools_a is not tools_b
-    assert stream_parsers(None, "hermes", "", with_tools=False)() == (None, None)
+    assert stream_parsers(None, "hermes", "", None)() == (None, None)

@@ -1,0 +1,76 @@
+"""mlx-lm's tool-call parsers, loaded into the gateway without importing MLX.
+
+The worker names the parser mlx-lm chose for its model from the chat template
+(`Hello.tool_parser`, e.g. "qwen3_coder", "glm47", "minimax_m2"). Each of
+mlx-lm's parsers is a pure-Python module (markers and a `parse_tool_call`),
+but importing it as `mlx_lm.tool_parsers.<name>` would run `mlx_lm`'s package
+init, which imports MLX; so the gateway loads the parser package from its
+files under a name of its own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_PACKAGE = "mlxd_mlx_lm_tool_parsers"
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """A tool-call format: the text around a call, and the function that reads one."""
+
+    name: str
+    start: str
+    end: str  # "": a call runs to the end of the message
+    parse_one: Callable[[str, Any], Any]
+
+    def parse(self, text: str, tools: list[dict] | None) -> list[tuple[str, str, str]] | None:
+        """(name, arguments as JSON text, id or "") of each call the text holds; None when it holds none."""
+        try:
+            parsed = self.parse_one(text, tools)
+        except Exception:  # each parser raises its own kinds: a call that does not parse stays text
+            return None
+        calls = []
+        for call in parsed if isinstance(parsed, list) else [parsed]:
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                return None
+            arguments = call.get("arguments", {})
+            calls.append((call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments),
+                          call["id"] if isinstance(call.get("id"), str) else ""))
+        return calls or None
+
+
+def _package() -> str | None:
+    """Register mlx-lm's tool_parsers directory as a package of its own; None without mlx-lm."""
+    if _PACKAGE in sys.modules:
+        return _PACKAGE
+    spec = importlib.util.find_spec("mlx_lm")  # finds the package without running it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    directory = Path(next(iter(spec.submodule_search_locations))) / "tool_parsers"
+    package_spec = importlib.util.spec_from_file_location(
+        _PACKAGE, directory / "__init__.py", submodule_search_locations=[str(directory)])
+    if package_spec is None or package_spec.loader is None:
+        return None
+    package = importlib.util.module_from_spec(package_spec)
+    sys.modules[_PACKAGE] = package
+    package_spec.loader.exec_module(package)
+    return _PACKAGE
+
+
+def load_tool_format(name: str) -> ToolFormat | None:
+    """mlx-lm's parser by its module name; None for no name or one mlx-lm does not have."""
+    if not name.isidentifier() or (package := _package()) is None:
+        return None
+    try:
+        module = importlib.import_module(f"{package}.{name}")
+    except ImportError:
+        return None
+    return ToolFormat(name, module.tool_call_start, module.tool_call_end, module.parse_tool_call)
