@@ -233,7 +233,7 @@ class Serving:
         family = worker.tokenizer.tool_family
         samplings = plan.sampling.samplings(worker.sampling, worker.hello.vocab_size, max_tokens,
                                             plan.grammar(forced_call_format(worker)))
-        parsers = (stream_parsers(worker.tokenizer.reasoning_markers, family, prompt.text, plan.tools,
+        parsers = (stream_parsers(worker.reasoning_markers, family, prompt.text, plan.tools,
                                   worker.tool_format)
                    if isinstance(plan.prompt, ChatInput) else None)
         ids = [request_id] if len(samplings) == 1 else [f"{request_id}-{i}" for i in range(len(samplings))]

@@ -73,6 +73,8 @@ class WorkerState:
     vitals: Vitals
     sampling: SamplingDefaults  # for requests that leave sampling parameters out
     tool_format: ToolFormat | None  # mlx-lm's parser for the model's tool calls (Hello.tool_parser)
+    # The reasoning block's (start, end): mlx-lm's (Hello.reasoning_markers), else the gateway's own guess.
+    reasoning_markers: tuple[str, str] | None
     waiting: int = 0
     affinity: AffinityReport | None = None
     prefix_cache: PrefixCacheStats | None = None
@@ -278,7 +280,9 @@ class WorkerLink:
         vitals = Vitals(self.worker_timeout_s, self.hung_worker_s, last_beat=now, last_progress=now)
         self.worker = WorkerState(identity, hello, tokenizer, accepted_at=now, vitals=vitals,
                                   sampling=sampling_defaults(hello.tokenizer_files),
-                                  tool_format=load_tool_format(hello.tool_parser))
+                                  tool_format=load_tool_format(hello.tool_parser),
+                                  reasoning_markers=(hello.reasoning_markers[0], hello.reasoning_markers[1])
+                                  if len(hello.reasoning_markers) == 2 else tokenizer.reasoning_markers)
         self._send(identity, Welcome(hello.epoch))
         self._ready.set()
         log.info(

@@ -113,6 +113,9 @@ class Hello(_Message, tag="hello"):
     # The tool-call parser mlx-lm chose for the model from its chat template
     # (a module of mlx_lm.tool_parsers, e.g. "qwen3_coder"); "" for none.
     tool_parser: str = ""
+    # The reasoning block's markers mlx-lm found for the model ([start, end],
+    # e.g. ["<think>", "</think>"] or Gemma's ["<|channel>thought", "<channel|>"]); [] for none.
+    reasoning_markers: list[str] = []
 
 
 FinishReason = Literal["stop", "length"]

@@ -26,6 +26,10 @@ SCRIPTS = {
     "mistral": ("[TOOL_CALLS]", ["[TOOL_CALLS]", json.dumps([CALL])]),
     "llama3": ("<|python_tag|>", [json.dumps({"name": "get_weather", "parameters": {"city": "Paris"}})]),
     "reasoning": ("<think>", ["<think>", "\nThe user wants the capital.\n", "</think>", "\n\nParis."]),
+    # Reasoning markers only mlx-lm knows, found by it in the vocabulary.
+    "reasoning-longcat": ("", ["<longcat_think>", "\nThe user wants the capital.\n", "</longcat_think>",
+                               "\n\nParis."]),
+    "reasoning-gemma": ("", ["<|channel>", "thought\nThe user wants the capital.\n", "<channel|>", "Paris."]),
     # Formats mlx-lm has parsers for, detected by mlx-lm from these markers in the template.
     "qwen3_coder": ("<tool_call>\n<function=", ["Let me check.", "<tool_call>",
                                                  "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
@@ -151,8 +155,9 @@ def test_tool_messages_round_trip(scripted):
     assert legacy.usage.prompt_tokens > first.usage.prompt_tokens + 5
 
 
-def test_reasoning_goes_to_reasoning_content(scripted):
-    client = openai_client(scripted("reasoning"))
+@pytest.mark.parametrize("model", ["reasoning", "reasoning-longcat", "reasoning-gemma"])
+def test_reasoning_goes_to_reasoning_content(scripted, model):
+    client = openai_client(scripted(model))
     message = client.chat.completions.create(model="scripted", messages=ASK, temperature=0).choices[0].message
     assert message.content == "Paris."
     assert message.reasoning_content == "The user wants the capital.\n"

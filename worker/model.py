@@ -6,7 +6,7 @@ import hashlib
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -54,6 +54,7 @@ class LoadedModel:
     # What the worker serves, as weights: see model_digest.
     digest: str = ""
     tool_parser: str = ""  # the mlx_lm.tool_parsers module mlx-lm chose from the chat template, if any
+    reasoning_markers: list[str] = field(default_factory=list)  # [start, end] of mlx-lm's thinking block, if any
 
 
 def _text_config(config: dict) -> dict:
@@ -169,4 +170,5 @@ def _load(path: Path, name: str, context_length: int | None, cpu_dequantize: boo
         image_token_id=image_token_id,
         dequantized=bool(dequantized),
         tool_parser=tokenizer.tool_parser.__module__.rpartition(".")[2] if tokenizer.has_tool_calling else "",
+        reasoning_markers=[tokenizer.think_start, tokenizer.think_end] if tokenizer.has_thinking else [],
     )

@@ -87,6 +87,7 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         vision=vision is not None,
         model_digest=loaded.digest,
         tool_parser=loaded.tool_parser,
+        reasoning_markers=loaded.reasoning_markers,
     )
     try:
         worker = Worker(settings, engine, hello, affinity)
