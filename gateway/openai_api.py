@@ -49,6 +49,7 @@ from gateway.openai_schema import (
 from gateway.output_processor import Delta, RequestGroup, TokenInfo
 from gateway.parsing import ToolCall
 from gateway.plan import (
+    DOCUMENT_START,
     ChatInput,
     NamedTool,
     Plan,
@@ -133,7 +134,8 @@ def completion_plan(body: CompletionRequest) -> Plan:
         raise APIError(400, "a list of several prompts is not supported; send one request per prompt", param="prompt")
     return Plan(
         model=body.model,
-        prompt=prompt if isinstance(prompt, str) else [t for t in prompt if isinstance(t, int)],
+        prompt=DOCUMENT_START if prompt is None else prompt if isinstance(prompt, str)
+        else [t for t in prompt if isinstance(t, int)],
         sampling=sampling_params(body, body.logprobs),
         stops=nonempty_stops(body.stop_strings(), "stop"),
         stream=bool(body.stream),

@@ -158,7 +158,8 @@ class ChatCompletionRequest(GenerationRequest):
 
 class CompletionRequest(GenerationRequest):
     # A string, or token ids. (A list of several prompts is refused.)
-    prompt: str | Annotated[list[int | str], Meta(min_length=1)]
+    # null: the start of a new document (the spec's default, its end-of-text token).
+    prompt: str | Annotated[list[int | str], Meta(min_length=1)] | None  # required, but may be null
     logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
 

@@ -30,6 +30,13 @@ class ChatInput:
     template_kwargs: dict | None = None
 
 
+class DocumentStart:
+    """A prompt that is only the start of a new document (OpenAI's `prompt: null`)."""
+
+
+DOCUMENT_START = DocumentStart()
+
+
 @dataclass
 class SamplingParams:
     """The sampling a body asks for; None where it is silent (the model's defaults apply)."""
@@ -84,7 +91,7 @@ class SamplingParams:
 @dataclass
 class Plan:
     model: str
-    prompt: ChatInput | str | list[int]  # a conversation, a text, or token ids
+    prompt: ChatInput | str | list[int] | DocumentStart  # a conversation, a text, token ids, or nothing
     sampling: SamplingParams
     stops: list[str]
     stream: bool = False

@@ -30,7 +30,7 @@ from gateway.images import ImageLoader
 from gateway.metrics import Metrics
 from gateway.output_processor import Delta, RequestGroup, RequestState, TokenInfo
 from gateway.parsing import ToolCall, stream_parsers
-from gateway.plan import ChatInput, Plan
+from gateway.plan import ChatInput, DocumentStart, Plan
 from gateway.responses import EventStream, MsgspecResponse
 from gateway.settings import GatewaySettings
 from gateway.tokenizer import Prompt, PromptError
@@ -192,6 +192,9 @@ class Serving:
     async def prompt(self, worker: WorkerState, plan: Plan) -> Prompt:
         """The plan's prompt as token ids (a 400 for one that cannot be made)."""
         source = plan.prompt
+        if isinstance(source, DocumentStart):
+            # The tokenizer's own start (its BOS), else what ends a document (an EOS) as a separator.
+            return Prompt("", worker.tokenizer.encode_text("") or worker.hello.eos_token_ids[:1])
         if isinstance(source, str):
             return Prompt(source, await self.tokenize(worker.tokenizer.encode_text, source, param="prompt"))
         if isinstance(source, list):

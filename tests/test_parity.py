@@ -105,5 +105,13 @@ def test_completion_from_token_ids(client, reference):
     assert response.choices[0].text == expected.text
 
 
+def test_a_null_prompt_starts_a_new_document(client, reference):
+    # The spec's default: the tokenizer's start (BOS) here, or an end-of-text token for a model without one.
+    start = reference.tokenizer.encode("") or [reference.tokenizer.eos_token_id]
+    expected = reference.greedy(start, MAX_TOKENS)
+    response = client.completions.create(model=MODEL_NAME, prompt=None, max_tokens=MAX_TOKENS, temperature=0)
+    assert response.choices[0].text == expected.text and response.usage.prompt_tokens == len(start)
+
+
 def test_models_lists_the_served_name(client):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
