@@ -72,9 +72,17 @@ class RedactedThinkingBlock(msgspec.Struct, tag_field="type", tag="redacted_thin
 Block = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
 
 
+class SystemOutputConfig(msgspec.Struct, forbid_unknown_fields=True):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class Message(msgspec.Struct, forbid_unknown_fields=True):
     role: Literal["user", "assistant", "system"]  # "system": a system message in the conversation
     content: str | list[Block]
+    # A system message's per-turn controls (beta): accepted, not applied; the
+    # message itself is rendered where it stands.
+    clear_at: Literal["next_user_message", "never"] | None = None
+    output_config: SystemOutputConfig | None = None
 
 
 class Tool(msgspec.Struct, forbid_unknown_fields=True):
