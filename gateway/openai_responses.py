@@ -44,9 +44,9 @@ from gateway.openai_responses_schema import (
     ResponseError,
     ResponseObject,
     ResponseUsage,
-    TextFormatJSONObject,
     TextFormatJSONSchema,
 )
+from gateway.openai_schema import ResponseFormatJSONObject
 from gateway.output_processor import Delta, RequestGroup
 from gateway.parsing import ToolCall
 from gateway.plan import (
@@ -183,7 +183,7 @@ def responses_plan(body: CreateResponse, previous: StoredResponse | None) -> Pla
         tools=tools,
         force_tool_call=choice == "required" or not isinstance(choice, str),
         parallel_tool_calls=body.parallel_tool_calls is not False,
-        json_output=isinstance(text_format, (TextFormatJSONObject, TextFormatJSONSchema)),
+        json_output=isinstance(text_format, (ResponseFormatJSONObject, TextFormatJSONSchema)),
         json_schema=text_format.schema if isinstance(text_format, TextFormatJSONSchema) else None,
     )
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from gateway.openai_schema import MAX_INT
+from gateway.openai_schema import MAX_INT, ResponseFormatJSONObject, ResponseFormatText
 
 # ---- requests ---------------------------------------------------------------
 
@@ -101,14 +101,6 @@ class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
     name: str
 
 
-class TextFormatText(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
-    pass
-
-
-class TextFormatJSONObject(msgspec.Struct, tag_field="type", tag="json_object", forbid_unknown_fields=True):
-    pass
-
-
 class TextFormatJSONSchema(msgspec.Struct, tag_field="type", tag="json_schema", forbid_unknown_fields=True):
     name: str
     schema: dict[str, Any]
@@ -117,7 +109,7 @@ class TextFormatJSONSchema(msgspec.Struct, tag_field="type", tag="json_schema", 
 
 
 class TextConfig(msgspec.Struct, forbid_unknown_fields=True):
-    format: TextFormatText | TextFormatJSONObject | TextFormatJSONSchema | None = None
+    format: ResponseFormatText | ResponseFormatJSONObject | TextFormatJSONSchema | None = None
     verbosity: Literal["low", "medium", "high"] | None = None  # accepted, not used
 
 

@@ -147,3 +147,17 @@ def test_a_stored_response_is_only_visible_to_the_key_that_stored_it(tool_server
     with pytest.raises(openai.NotFoundError):
         b.responses.delete(mine.id)
     a.responses.delete(mine.id)
+
+
+def test_text_format_json_schema_constrains_the_output(client):
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 6}},
+              "required": ["answer"], "additionalProperties": False}
+    response = client.responses.create(model=MODEL_NAME, input="Hello there", max_output_tokens=40,
+                                       text={"format": {"type": "json_schema", "name": "a", "schema": schema}})
+    if response.status == "completed":
+        assert set(json.loads(response.output_text)) == {"answer"}
+    else:  # out of tokens mid-object: still a prefix the grammar allowed
+        assert response.output_text.startswith('{"answer"')
+    plain_json = client.responses.create(model=MODEL_NAME, input="Hello there", max_output_tokens=40,
+                                         text={"format": {"type": "json_object"}})
+    assert plain_json.output_text.lstrip().startswith("{")  # json_object: a JSON object
