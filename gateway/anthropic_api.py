@@ -41,6 +41,7 @@ from gateway.plan import (
     NamedTool,
     Plan,
     SamplingParams,
+    function_tool,
     nonempty_stops,
     reasoning_switches,
     template_message,
@@ -104,8 +105,7 @@ def tools(body: Conversation) -> list[dict] | None:
     """The tools in OpenAI's function shape, which chat templates expect, narrowed by the tool choice."""
     choice = body.tool_choice
     return tool_definitions(
-        [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                           "parameters": t.input_schema}} for t in body.tools or []],
+        [function_tool(t.name, t.description, t.input_schema) for t in body.tools or []],
         "none" if isinstance(choice, ToolChoiceNone) else "required" if isinstance(choice, ToolChoiceAny)
         else NamedTool(choice.name) if isinstance(choice, ToolChoiceTool) else "auto",
     )

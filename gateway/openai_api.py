@@ -153,9 +153,7 @@ class OpenAIAPI:
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
-        if not self.serving.serves(name, self.serving.model_names()):
-            raise APIError(404, f"The model '{name}' does not exist", type="not_found_error", param="model",
-                           code="model_not_found")
+        self.serving.check_served(name, self.serving.model_names())
         return MsgspecResponse(Model(id=name, created=self.serving.started))
 
     async def chat_completions(self, request: Request) -> Response:

@@ -54,6 +54,7 @@ from gateway.plan import (
     NamedTool,
     Plan,
     SamplingParams,
+    function_tool,
     reasoning_switches,
     template_message,
     template_tool_call,
@@ -156,7 +157,8 @@ def function_tools(body: CreateResponse) -> list[dict]:
             for i, tool in enumerate(body.tools or []) if tool.get("type") == "function"]
 
 
-def responses_plan(body: CreateResponse, previous: StoredResponse | None) -> Plan:
+def responses_plan(body: CreateResponse, previous: StoredResponse | None, offered: list[dict]) -> Plan:
+    """offered: the body's function tools (function_tools)."""
     messages, images = conversation(input_items(body))
     if previous is not None:
         messages, images = previous.messages + messages, previous.images + images
@@ -164,9 +166,8 @@ def responses_plan(body: CreateResponse, previous: StoredResponse | None) -> Pla
         messages = [template_message("system", [{"type": "text", "text": body.instructions}]), *messages]
     choice = body.tool_choice or "auto"
     tools = tool_definitions(
-        [{"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
-                                           "parameters": t.get("parameters") or {"type": "object"}}}
-         for t in function_tools(body)],
+        [function_tool(t["name"], t.get("description"), t.get("parameters") or {"type": "object"})
+         for t in offered],
         choice if isinstance(choice, str) else NamedTool(choice.name),
     )
     text_format = body.text.format if body.text else None
@@ -202,7 +203,8 @@ class ResponsesAPI:
             if previous is None:
                 raise APIError(404, f"no stored response {body.previous_response_id!r}", type="not_found_error",
                                param="previous_response_id", code="previous_response_not_found")
-        plan = responses_plan(body, previous)
+        tools = function_tools(body)
+        plan = responses_plan(body, previous, tools)
         assert isinstance(plan.prompt, ChatInput)
         conversation_so_far = (plan.prompt.messages[1:] if body.instructions else plan.prompt.messages,
                                plan.prompt.images)
@@ -213,7 +215,7 @@ class ResponsesAPI:
                 self.store.put(StoredResponse(client_id, response, messages + output_messages, images,
                                               time.monotonic()))
 
-        return await self.serving.respond(request, plan, ResponseOutput(body, function_tools(body), keep))
+        return await self.serving.respond(request, plan, ResponseOutput(body, tools, keep))
 
     async def retrieve(self, request: Request) -> Response:
         return MsgspecResponse(self._stored(request).response)

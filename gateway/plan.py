@@ -102,7 +102,6 @@ class Plan:
     parallel_tool_calls: bool = True  # False: only a choice's first call is returned
     json_output: bool = False  # the output must be JSON ...
     json_schema: dict | None = None  # ... following this schema, when there is one
-
     messages_param: str = "messages"  # the body's name for the conversation, for errors
 
     @property
@@ -163,6 +162,11 @@ def template_message(role: str, content: str | list[dict], tool_calls: list[dict
         message["tool_calls"] = tool_calls
     message.update(extra)
     return message
+
+
+def function_tool(name: str, description: str | None, parameters: dict) -> dict:
+    """A tool in OpenAI's function shape, which chat templates expect."""
+    return {"type": "function", "function": {"name": name, "description": description or "", "parameters": parameters}}
 
 
 def template_tool_call(call_id: str, name: str, arguments: str | dict) -> dict:

@@ -136,29 +136,29 @@ class Serving:
             return self.served_names(self.link.worker)
         return self.settings.served_model_name or ([self.configured_model] if self.configured_model else [])
 
-    def serves(self, model: str, names: list[str]) -> bool:
-        """Whether a request for `model` is served by one of `names`: it is
-        one of them, or matches a --model-alias pattern that names one."""
+    def check_served(self, model: str, names: list[str]) -> None:
+        """A 404 unless a request for `model` is served by one of `names`: it is
+        one of them, or the first --model-alias pattern it matches names one."""
         if model in names:
-            return True
+            return
         for alias in self.settings.model_alias:
             pattern, _, name = alias.partition("=")
             if fnmatch.fnmatchcase(model, pattern):
-                return name in names
-        return False
+                if name in names:
+                    return
+                break
+        raise APIError(
+            404,
+            f"The model '{model}' does not exist. This server serves: {', '.join(names)}.",
+            type="not_found_error",
+            param="model",
+            code="model_not_found",
+        )
 
     async def worker_for(self, model: str) -> WorkerState:
         """A ready worker serving `model` (404 for a name this server does not serve)."""
         worker = await self.ready_worker()
-        names = self.served_names(worker)
-        if not self.serves(model, names):
-            raise APIError(
-                404,
-                f"The model '{model}' does not exist. This server serves: {', '.join(names)}.",
-                type="not_found_error",
-                param="model",
-                code="model_not_found",
-            )
+        self.check_served(model, self.served_names(worker))
         return worker
 
     async def tokenize(self, fn: Callable[..., T], *args: Any, param: str = "messages") -> T:
