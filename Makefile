@@ -6,7 +6,7 @@ OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
 # Pinned with mlx and mlx-lm (pyproject.toml says why it is installed here).
 MLX_VLM := mlx-vlm==0.7.10
 
-.PHONY: install install-test openblas model run lint test bench clean
+.PHONY: install install-test openblas model agents run lint test bench clean
 
 # What serving needs (make run); the test tools come with install-test. pip
 # prints what it fetches, so a first run shows its progress.
@@ -45,6 +45,17 @@ openblas:
 model: install
 	$(VENV)/bin/mlxd prepare-model
 
+# The coding agents the suite drives (tests/test_agents.py), from npm at the
+# versions tests/agents/package-lock.json pins. (npm install, not npm ci: ci
+# refuses a lock written on one platform for the others' optional binaries.)
+AGENTS := tests/agents/node_modules/.installed
+agents: $(AGENTS)
+
+$(AGENTS): tests/agents/package.json tests/agents/package-lock.json
+	@command -v npm >/dev/null || { echo "make agents needs node and npm (the coding agents are npm packages)"; exit 1; }
+	cd tests/agents && npm install --no-audit --no-fund
+	touch $@
+
 run: install
 	$(VENV)/bin/mlxd serve $(if $(MODEL),--model $(MODEL))
 
@@ -53,7 +64,7 @@ lint: install-test
 	$(VENV)/bin/ruff check gateway worker protocol tests
 	$(VENV)/bin/mypy
 
-test: install-test model
+test: install-test model agents
 	$(PY) -m pytest -q
 
 bench: install-test model
@@ -72,4 +83,4 @@ bench: install-test model
 	$(PY) -m tests.bench.detokenize
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache tests/agents/node_modules
