@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from gateway.parsing import ReasoningSplitter, StopMatcher, ToolCall, ToolCallParser
+from gateway.parsing import StopMatcher, StreamParser, ToolCall
 from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
 from protocol import AddRequest, RequestOutput, Sampling, StepOutput, Tensor, TokenLogprob
 
@@ -70,8 +70,7 @@ class RequestState:
         tokenizer: Tokenizer,
         stop: list[str],
         index: int = 0,
-        reasoning: ReasoningSplitter | None = None,
-        tools: ToolCallParser | None = None,
+        parser: StreamParser | None = None,
         images: tuple[list[Tensor], list] = ([], []),
     ) -> None:
         self.request_id = request_id
@@ -91,9 +90,9 @@ class RequestState:
         self.model_digest = ""
         self.queue = queue  # shared by the streams of one API request: their RequestGroup reads it
         self._tokenizer = tokenizer
-        self._reasoning = reasoning
-        self._tools = tools
-        self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=not (reasoning or tools))
+        self._parser = parser
+        # Parsers look for markers, which may be special tokens.
+        self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=parser is None)
         self._stops = StopMatcher(stop)
 
     @property
@@ -117,13 +116,11 @@ class RequestState:
         if ended:
             self.status = RequestStatus.STOPPED if stop is not None and not final else RequestStatus.FINISHED
         reasoning = ""
-        if self._reasoning is not None:
-            reasoning, text = self._reasoning.feed(text, ended)
         calls: list[ToolCall] = []
-        if self._tools is not None:
-            text, calls = self._tools.feed(text, ended)
+        if self._parser is not None:
+            reasoning, text, calls = self._parser.feed(text, ended)
         finish: str | None = "stop" if stop is not None else output.finish_reason
-        if finish == "stop" and self._tools is not None and self._tools.calls:
+        if finish == "stop" and self._parser is not None and self._parser.calls:
             finish = "tool_calls"
         logprobs = self._token_infos(token_ids, output.logprobs) if output.logprobs else []
         return Delta(text, self.index, reasoning, calls, finish, stop, logprobs)

@@ -7,6 +7,7 @@ marker (or of a stop string), so ordinary text streams through without delay.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -220,6 +221,8 @@ class ToolCallParser:
 
 def detect_tool_family(chat_template: str) -> str:
     """The tool-call format a chat template teaches its model."""
+    if "<|channel|>" in chat_template and "<|message|>" in chat_template:
+        return "harmony"
     if "[TOOL_CALLS]" in chat_template:
         return "mistral"
     if "<|python_tag|>" in chat_template or "ipython" in chat_template:
@@ -235,18 +238,127 @@ def detect_reasoning(chat_template: str, vocabulary: set[str]) -> tuple[str, str
     return None
 
 
+class MessageParser:
+    """One stream's reply read as reasoning, content and tool calls: the
+    reasoning block split off first, then tool calls found in the rest."""
+
+    def __init__(self, reasoning: ReasoningSplitter | None, tools: ToolCallParser | None) -> None:
+        self._reasoning = reasoning
+        self._tools = tools
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        """Every call found so far."""
+        return self._tools.calls if self._tools is not None else []
+
+    def feed(self, text: str, final: bool) -> tuple[str, str, list[ToolCall]]:
+        """(reasoning, content, tool calls) that this text completes."""
+        reasoning = ""
+        if self._reasoning is not None:
+            reasoning, text = self._reasoning.feed(text, final)
+        calls: list[ToolCall] = []
+        if self._tools is not None:
+            text, calls = self._tools.feed(text, final)
+        return reasoning, text, calls
+
+
+class HarmonyParser:
+    """gpt-oss's Harmony format. A reply is a series of messages, each a header
+    `<|channel|>NAME [to=RECIPIENT] [<|constrain|>json]`, then `<|message|>` and
+    a body ended by `<|end|>` (another message follows, from `<|start|>assistant`),
+    `<|call|>` or `<|return|>`. The analysis channel is reasoning; a message to
+    `functions.NAME` is a call of tool NAME with its JSON arguments as the body
+    (with no tools in the request it stays text); the rest (the final channel,
+    commentary preambles) is content. Text outside that shape is content."""
+
+    ENDS = ("<|end|>", "<|call|>", "<|return|>")
+    _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
+    _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
+
+    def __init__(self, tools: list[dict] | None) -> None:
+        self._tools = tools
+        self._pending = ""
+        self._in_body = False
+        self._channel = ""
+        self._recipient = ""
+        self._arguments = ""
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str, final: bool) -> tuple[str, str, list[ToolCall]]:
+        """(reasoning, content, tool calls) that this text completes."""
+        self._pending += text
+        reasoning: list[str] = []
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        while True:
+            if not self._in_body:
+                header, found, body = self._pending.partition("<|message|>")
+                if not found:
+                    break
+                channel = self._CHANNEL.search(header)
+                recipient = self._RECIPIENT.search(header)
+                self._channel = channel.group(1) if channel else ""
+                self._recipient = recipient.group(1) if recipient and self._tools is not None else ""
+                self._pending, self._in_body = body, True
+            ends = [(at, end) for end in self.ENDS if (at := self._pending.find(end)) >= 0]
+            if not ends:
+                break
+            at, end = min(ends)
+            self._body(self._pending[:at], reasoning, content)
+            self._pending = self._pending[at + len(end):]
+            calls += self._end_message(content)
+        if self._in_body:
+            keep = 0 if final else max(_held_prefix(self._pending, end) for end in self.ENDS)
+            self._body(self._pending[: len(self._pending) - keep], reasoning, content)
+            self._pending = self._pending[len(self._pending) - keep:]
+            if final:
+                calls += self._end_message(content)
+        elif final:  # not Harmony after all
+            content.append(self._pending)
+            self._pending = ""
+        return "".join(reasoning), "".join(content), calls
+
+    def _body(self, text: str, reasoning: list[str], content: list[str]) -> None:
+        if self._recipient:
+            self._arguments += text
+        else:
+            (reasoning if self._channel == "analysis" else content).append(text)
+
+    def _end_message(self, content: list[str]) -> list[ToolCall]:
+        """The call the message made, if any; arguments that are not a JSON
+        object (a reply cut short) stay text."""
+        self._in_body = False
+        recipient, arguments = self._recipient, self._arguments.strip() or "{}"
+        self._recipient, self._arguments = "", ""
+        if not recipient:
+            return []
+        if arguments_object(arguments) is None:
+            content.append(arguments)
+            return []
+        call = ToolCall(recipient.removeprefix("functions."), arguments)
+        self.calls.append(call)
+        return [call]
+
+
+StreamParser = MessageParser | HarmonyParser
+
+
 def stream_parsers(markers: tuple[str, str] | None, family: str, prompt_text: str,
                    tools: list[dict] | None, tool_format: ToolFormat | None = None):
-    """A function making each stream's own (reasoning splitter, tool-call parser), either None.
+    """A function making each stream's own parser (None when there is nothing to parse).
 
-    tools: the request's tools (no tool-call parser without them); tool_format:
-    mlx-lm's parser for the model's format, if it has one.
+    tools: the request's tools (no tool calls are looked for without them);
+    tool_format: mlx-lm's parser for the model's format, if it has one.
     """
+    if family == "harmony":
+        return lambda: HarmonyParser(tools)
+    if markers is None and not tools:
+        return lambda: None
     inside = markers is not None and prompt_text.rstrip().endswith(markers[0])
 
-    def make() -> tuple[ReasoningSplitter | None, ToolCallParser | None]:
-        return (ReasoningSplitter(*markers, inside=inside) if markers else None,
-                ToolCallParser(family, tools, tool_format) if tools else None)
+    def make() -> MessageParser:
+        return MessageParser(ReasoningSplitter(*markers, inside=inside) if markers else None,
+                             ToolCallParser(family, tools, tool_format) if tools else None)
 
     return make
 

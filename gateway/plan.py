@@ -9,6 +9,7 @@ Plan and a worker, `Serving` (gateway/serving.py) builds the grammar and one
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import msgspec
@@ -108,9 +109,10 @@ class Plan:
     def prompt_param(self) -> str:
         return self.messages_param if isinstance(self.prompt, ChatInput) else "prompt"
 
-    def grammar(self, tool_family: str | None) -> str | None:
+    def grammar(self, tool_family: str | None, tokens: Collection[str] = ()) -> str | None:
         """The grammar the output must follow: a forced tool call (in the
-        model's tool-call format, `tool_family`; None: one with no grammar), or JSON."""
+        model's tool-call format, `tool_family`; None: one with no grammar;
+        `tokens`: the model's added tokens), or JSON."""
         if self.force_tool_call and self.json_output:
             raise APIError(400, "a forced tool_choice and a JSON response_format cannot both constrain the output",
                            param="response_format")
@@ -118,7 +120,7 @@ class Plan:
             if tool_family is None:
                 raise APIError(400, "a forced tool_choice is not supported for this model's tool-call format; "
                                "use tool_choice auto", param="tool_choice")
-            return forced_tool_call_grammar(self.tools, tool_family)
+            return forced_tool_call_grammar(self.tools, tool_family, tokens)
         if self.json_output:
             return json_schema_grammar(self.json_schema)
         return None

@@ -235,7 +235,8 @@ class Serving:
                                      plan.max_tokens_param)
         family = worker.tokenizer.tool_family
         samplings = plan.sampling.samplings(worker.sampling, worker.hello.vocab_size, max_tokens,
-                                            plan.grammar(forced_call_format(worker)))
+                                            plan.grammar(forced_call_format(worker),
+                                                         worker.tokenizer.added_tokens))
         parsers = (stream_parsers(worker.reasoning_markers, family, prompt.text, plan.tools,
                                   worker.tool_format)
                    if isinstance(plan.prompt, ChatInput) else None)
@@ -243,9 +244,8 @@ class Serving:
         queue: asyncio.Queue[Delta] = asyncio.Queue()
         states = []
         for index, (rid, sampling) in enumerate(zip(ids, samplings)):
-            reasoning, tools = parsers() if parsers else (None, None)
             states.append(RequestState(rid, queue, prompt.token_ids, sampling, worker.tokenizer, plan.stops, index,
-                                       reasoning, tools, images=(prompt.tensors, prompt.arrays)))
+                                       parsers() if parsers else None, images=(prompt.tensors, prompt.arrays)))
         if self.settings.log_prompts:
             log.info("%s prompt: %r", request_id, worker.tokenizer.decode(prompt.token_ids))
         return RequestGroup(states, queue)

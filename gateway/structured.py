@@ -7,6 +7,7 @@ worker sees anything; the worker only follows them.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 
 import llguidance
 
@@ -57,15 +58,39 @@ def named_tool(tools: list[dict], name: str) -> list[dict]:
     return chosen
 
 
-def forced_tool_call_grammar(tools: list[dict], family: str, param: str = "tool_choice") -> str:
-    """Output that is exactly one call of one of `tools`, in the model's own tool-call format."""
+def _marker(text: str, tokens: Collection[str]) -> str:
+    """A format marker in lark: the model's own token when it has one (llguidance
+    matches an added token only as itself, never by its text), else the text."""
+    return text if text in tokens else json.dumps(text)
+
+
+def _harmony_call_grammar(tools: list[dict], tokens: Collection[str]) -> str:
+    """One Harmony message to one of the tools: its name in the header, its arguments as the body."""
+    channel, constrain, message = (_marker(m, tokens) for m in ("<|channel|>", "<|constrain|>", "<|message|>"))
+    calls = [f'{channel} "commentary to=functions.{tool["function"]["name"]} " {constrain} "json" {message} '
+             f'%json {json.dumps(_compact(tool["function"].get("parameters") or {"type": "object"}))}'
+             for tool in tools]
+    return "start: " + " | ".join(f"call{i}" for i in range(len(calls))) + "\n" + "".join(
+        f"call{i}: {call}\n" for i, call in enumerate(calls))
+
+
+# Each family's call: the markers before and after its JSON.
+AROUND = {"hermes": (["<tool_call>", "\n"], ["\n", "</tool_call>"]), "mistral": (["[TOOL_CALLS]"], []),
+          "llama3": ([], [])}
+
+
+def forced_tool_call_grammar(tools: list[dict], family: str, tokens: Collection[str] = (),
+                             param: str = "tool_choice") -> str:
+    """Output that is exactly one call of one of `tools`, in the model's own
+    tool-call format; `tokens`: the model's added tokens."""
+    if family == "harmony":
+        return _validated(llguidance.LLMatcher.grammar_from_lark(_harmony_call_grammar(tools, tokens)), param)
     key = "parameters" if family == "llama3" else "arguments"
     calls = [_call_schema(tool, key) for tool in tools]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if family == "mistral":
         schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": 1}
-    around = {"hermes": ("<tool_call>\n", "\n</tool_call>"), "mistral": ("[TOOL_CALLS]", ""), "llama3": ("", "")}
-    before, after = around[family]
-    sequence = " ".join([json.dumps(before)] * bool(before) + ["call"] + [json.dumps(after)] * bool(after))
+    before, after = AROUND[family]
+    sequence = " ".join([_marker(m, tokens) for m in before] + ["call"] + [_marker(m, tokens) for m in after])
     lark = f"start: {sequence}\ncall: %json {json.dumps(_compact(schema))}\n"
     return _validated(llguidance.LLMatcher.grammar_from_lark(lark), param)

@@ -85,6 +85,11 @@ class Tokenizer:
                 # Vision models often keep their chat template with the processor.
                 self._tok.chat_template = self._tok.chat_template or self.processor.chat_template
 
+    @functools.cached_property
+    def added_tokens(self) -> frozenset[str]:
+        """The text of every token added to the base vocabulary (special or not)."""
+        return frozenset(token.content for token in self.rust.get_added_tokens_decoder().values())
+
     @property
     def has_chat_template(self) -> bool:
         return bool(self._tok.chat_template)

@@ -41,11 +41,13 @@ AFTER_TOOL = "{% if messages | selectattr('role', 'equalto', 'tool') | list %}" 
 
 
 def make_scripted_model(path: Path, script: list[str], markers: str = "<tool_call>",
-                        after_tool: Sequence[str] = (), context: int = 1024) -> Path:
+                        after_tool: Sequence[str] = (), context: int = 1024, special: Sequence[str] = ()) -> Path:
+    """special: tokens added as special tokens (as a format's markers often are), script pieces or not."""
     path.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
+    tok.add_special_tokens([AddedToken(word, normalized=False, special=True) for word in special])
     words = [*script, *after_tool] + ([AFTER_TOOL_TRIGGER] if after_tool else [])
-    tok.add_tokens([AddedToken(word, normalized=False, special=False) for word in words])
+    tok.add_tokens([AddedToken(word, normalized=False, special=False) for word in words if word not in special])
     ids = [tok.token_to_id(word) for word in words]
     assert None not in ids and len(set(ids)) == len(ids), "script pieces must be distinct tokens"
     pieces, answer = ids[:len(script)], ids[len(script):len(script) + len(after_tool)]

@@ -19,6 +19,17 @@ ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Weather in a city",
                     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
+# gpt-oss's Harmony format: markers are special tokens; each script piece must be
+# one token, so a repeated marker travels inside a longer (ordinary) piece.
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>")
+HARMONY = {
+    "harmony": ["<|channel|>", "analysis", "<|message|>", "Need the weather.", "<|end|>",
+                "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>",
+                json.dumps(CALL["arguments"]), "<|call|>"],
+    "reasoning-harmony": ["<|channel|>", "analysis", "<|message|>", "The user wants the capital.\n", "<|end|>",
+                          "<|start|>assistant<|channel|>final<|message|>", "Paris.", "<|return|>"],
+}
+
 SCRIPTS = {
     "hermes": ("<tool_call>", ["Let me check.", "<tool_call>", "\n" + json.dumps(CALL) + "\n", "</tool_call>"]),
     "hermes-two": ("<tool_call>", ["<tool_call>", json.dumps(CALL), "</tool_call>", "\n<tool_call>",
@@ -50,8 +61,9 @@ def scripted(tmp_path_factory):
 
     def get(name: str) -> Server:
         if name not in servers:
-            markers, script = SCRIPTS[name]
-            path = make_scripted_model(tmp_path_factory.mktemp(name) / "model", script, markers)
+            markers, script = SCRIPTS[name] if name in SCRIPTS else (" ".join(HARMONY_MARKERS), HARMONY[name])
+            path = make_scripted_model(tmp_path_factory.mktemp(name) / "model", script, markers,
+                                       special=HARMONY_MARKERS)
             servers[name] = Server(["serve", "--model", str(path), "--served-model-name", "scripted"],
                                    path.parent / "serve.log")
             servers[name].wait_ready()
@@ -87,7 +99,8 @@ def streamed(client, **kwargs):
     return content, reasoning, [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())], finish
 
 
-@pytest.mark.parametrize("family", ["hermes", "mistral", "llama3", "qwen3_coder", "glm47", "minimax_m2", "gemma4"])
+@pytest.mark.parametrize("family", ["hermes", "mistral", "llama3", "qwen3_coder", "glm47", "minimax_m2", "gemma4",
+                                    "harmony"])
 def test_tool_calls_parsed_for_each_family(scripted, family):
     client = openai_client(scripted(family))
     response = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, temperature=0)
@@ -155,7 +168,7 @@ def test_tool_messages_round_trip(scripted):
     assert legacy.usage.prompt_tokens > first.usage.prompt_tokens + 5
 
 
-@pytest.mark.parametrize("model", ["reasoning", "reasoning-longcat", "reasoning-gemma"])
+@pytest.mark.parametrize("model", ["reasoning", "reasoning-longcat", "reasoning-gemma", "reasoning-harmony"])
 def test_reasoning_goes_to_reasoning_content(scripted, model):
     client = openai_client(scripted(model))
     message = client.chat.completions.create(model="scripted", messages=ASK, temperature=0).choices[0].message
@@ -212,6 +225,27 @@ def test_anthropic_thinking_blocks(scripted):
         names = [line[7:] for line in r.iter_lines() if line.startswith("event: ")]
     assert_event_grammar(names)
     assert names.count("content_block_start") == 2
+
+
+def test_harmony_reasoning_before_a_call(scripted):
+    client = openai_client(scripted("harmony"))
+    message = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, temperature=0).choices[0].message
+    assert message.reasoning_content == "Need the weather." and calls_of(message) == [("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.parametrize("family", ["hermes", "harmony"])
+def test_a_forced_call_follows_the_models_format(scripted, family):
+    client = openai_client(scripted(family))
+    # A closed schema: the grammar, not the model, then decides when the call ends.
+    city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+            "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}}]
+    response = client.chat.completions.create(model="scripted", messages=ASK, tools=tools, tool_choice="required",
+                                              max_tokens=60, temperature=0)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    [(name, arguments)] = calls_of(choice.message)
+    assert name == "get_weather" and arguments["city"] in ("Paris", "Oslo")
 
 
 def test_a_forced_call_in_a_format_without_a_grammar_is_a_clear_400(scripted):

@@ -3,6 +3,8 @@ import json
 import pytest
 
 from gateway.parsing import (
+    HarmonyParser,
+    MessageParser,
     ReasoningSplitter,
     ToolCallParser,
     detect_reasoning,
@@ -110,6 +112,7 @@ def test_llama3_json_that_is_not_a_call_stays_text():
     ("<|python_tag|>{{ x }}", "llama3"),
     ("{% if role == 'ipython' %}", "llama3"),
     ("<tool_call>", "hermes"),
+    ("<|start|>assistant<|channel|>final<|message|>", "harmony"),
     ("", "hermes"),
 ])
 def test_tool_family_from_the_template(template, family):
@@ -125,6 +128,64 @@ def test_reasoning_markers_from_template_or_vocabulary():
 def test_stream_parsers_make_fresh_parsers_per_stream():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     make = stream_parsers(("<think>", "</think>"), "hermes", "prompt <think>", tools)
-    (first, tools_a), (_, tools_b) = make(), make()
-    assert first.inside and tools_a is not tools_b
-    assert stream_parsers(None, "hermes", "", None)() == (None, None)
+    first, second = make(), make()
+    assert isinstance(first, MessageParser) and first is not second
+    reasoning, content, calls = first.feed('plan</think>ok<tool_call>{"name": "f", "arguments": {}}</tool_call>', True)
+    assert (reasoning, content, [c.name for c in calls]) == ("plan", "ok", ["f"]) and second.calls == []
+    assert stream_parsers(None, "hermes", "", None)() is None
+    assert isinstance(stream_parsers(None, "harmony", "", None)(), HarmonyParser)
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+HARMONY_CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
+
+
+def harmony_all(parser: HarmonyParser, text: str, piece: int) -> tuple[str, str, list, list[str]]:
+    """Everything the parser gives for `text` fed `piece` characters at a time, and each content delta."""
+    reasoning, content, calls, deltas = "", "", [], []
+    pieces = [text[i:i + piece] for i in range(0, len(text), piece)]
+    for i, part in enumerate(pieces):
+        r, c, new = parser.feed(part, final=i == len(pieces) - 1)
+        reasoning, content, calls = reasoning + r, content + c, calls + new
+        deltas.append(c)
+    return reasoning, content, calls, deltas
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 1000])
+def test_harmony_reasoning_then_a_call(piece):
+    reasoning, content, calls, _ = harmony_all(HarmonyParser(WEATHER), HARMONY_CALL, piece)
+    assert (reasoning, content) == ("Need the weather.", "")
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_harmony_reasoning_then_the_final_answer(piece):
+    text = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>Paris."
+    assert harmony_all(HarmonyParser(None), text, piece)[:3] == ("Easy.", "Paris.", [])
+
+
+def test_harmony_streams_content_without_holding_it_back():
+    *_, deltas = harmony_all(HarmonyParser(None), "<|channel|>final<|message|>one two three", 4)
+    assert deltas[-3:] == ["ne t", "wo t", "hree"]  # each piece as it came
+
+
+def test_harmony_recipient_in_the_start_header_and_a_preamble():
+    text = ("<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant to=functions.get_weather"
+            '<|channel|>commentary json<|message|>{"city": "Oslo"}<|call|>')
+    _, content, calls, _ = harmony_all(HarmonyParser(WEATHER), text, 5)
+    assert content == "Checking." and [c.arguments for c in calls] == ['{"city": "Oslo"}']
+
+
+def test_harmony_call_without_tools_in_the_request_stays_text():
+    _, content, calls, _ = harmony_all(HarmonyParser(None), HARMONY_CALL, 6)
+    assert content == '{"city": "Paris"}' and calls == []
+
+
+def test_harmony_call_cut_short_stays_text():
+    _, content, calls, _ = harmony_all(HarmonyParser(WEATHER), HARMONY_CALL[:-12], 5)
+    assert content == '{"city": "Par' and calls == []
+
+
+def test_text_that_is_not_harmony_is_content():
+    assert harmony_all(HarmonyParser(WEATHER), "plain words", 3)[:3] == ("", "plain words", [])
