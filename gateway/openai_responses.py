@@ -44,6 +44,7 @@ from gateway.openai_responses_schema import (
     ResponseError,
     ResponseObject,
     ResponseUsage,
+    SummaryText,
     TextFormatJSONSchema,
 )
 from gateway.openai_schema import ResponseFormatJSONObject
@@ -247,6 +248,8 @@ class ResponseOutput:
         self._items: list[OutputItem] = []
         self._open: ReasoningOut | OutputMessage | None = None
         self._finish: str | None = None
+        reasoning = body.reasoning
+        self._summarize = reasoning is not None and (reasoning.summary or reasoning.generate_summary) is not None
 
     # ---- the response object ----
 
@@ -287,12 +290,17 @@ class ResponseOutput:
     def body(self, choices: list[Choice], group: RequestGroup) -> ResponseObject:
         (choice,) = choices
         if choice.reasoning:
-            self._items.append(ReasoningOut(_new_id("rs"), [ReasoningText(choice.reasoning)]))
+            self._items.append(self._reasoning(choice.reasoning))
         if choice.text.strip() or not choice.tool_calls:
             self._items.append(OutputMessage(_new_id("msg"), "completed", [OutputTextPart(choice.text)]))
         self._items += [self._call(c) for c in choice.tool_calls]
         self._finish = choice.finish_reason
         return self._finished(group, None)
+
+    def _reasoning(self, text: str, status: str = "completed") -> ReasoningOut:
+        if self._summarize:
+            return ReasoningOut(_new_id("rs"), [], [SummaryText(text)], status=status)
+        return ReasoningOut(_new_id("rs"), [ReasoningText(text)], status=status)
 
     @staticmethod
     def _call(call: ToolCall) -> FunctionCallOut:
@@ -313,11 +321,13 @@ class ResponseOutput:
     def delta(self, delta: Delta) -> list[bytes]:
         out = []
         if delta.reasoning:
-            out += self._open_item(ReasoningOut(_new_id("rs"), [], status="in_progress"))
+            out += self._open_item(self._reasoning("", status="in_progress"))
             assert isinstance(self._open, ReasoningOut)
-            self._open.content[0].text += delta.reasoning
-            out.append(self._event("response.reasoning_text.delta", item_id=self._open.id,
-                                   output_index=len(self._items), content_index=0, delta=delta.reasoning))
+            self._open.part.text += delta.reasoning
+            where = {"summary_index": 0} if self._summarize else {"content_index": 0}
+            kind = "response.reasoning_summary_text.delta" if self._summarize else "response.reasoning_text.delta"
+            out.append(self._event(kind, item_id=self._open.id, output_index=len(self._items), **where,
+                                   delta=delta.reasoning))
         if delta.text and (delta.text.strip() or isinstance(self._open, OutputMessage)):
             out += self._open_item(OutputMessage(_new_id("msg"), "in_progress", []))
             assert isinstance(self._open, OutputMessage)
@@ -353,8 +363,9 @@ class ResponseOutput:
             item.content.append(part)
             out.append(self._event("response.content_part.added", item_id=item.id, output_index=index,
                                    content_index=0, part=msgspec.to_builtins(part)))
-        else:
-            item.content.append(ReasoningText(""))
+        elif item.summary:
+            out.append(self._event("response.reasoning_summary_part.added", item_id=item.id, output_index=index,
+                                   summary_index=0, part=msgspec.to_builtins(item.part)))
         return out
 
     def _close_item(self) -> list[bytes]:
@@ -364,16 +375,20 @@ class ResponseOutput:
         self._open = None
         index = len(self._items)
         item.status = "completed"
-        (part,) = item.content
         if isinstance(item, OutputMessage):
-            assert isinstance(part, OutputTextPart)
+            (part,) = item.content
             out = [self._event("response.output_text.done", item_id=item.id, output_index=index, content_index=0,
                                text=part.text, logprobs=[]),
                    self._event("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
                                part=msgspec.to_builtins(part))]
+        elif item.summary:
+            out = [self._event("response.reasoning_summary_text.done", item_id=item.id, output_index=index,
+                               summary_index=0, text=item.part.text),
+                   self._event("response.reasoning_summary_part.done", item_id=item.id, output_index=index,
+                               summary_index=0, part=msgspec.to_builtins(item.part))]
         else:
             out = [self._event("response.reasoning_text.done", item_id=item.id, output_index=index, content_index=0,
-                               text=part.text)]
+                               text=item.part.text)]
         out.append(self._event("response.output_item.done", output_index=index, item=msgspec.to_builtins(item)))
         self._items.append(item)
         return out

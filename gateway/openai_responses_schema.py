@@ -115,7 +115,8 @@ class TextConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 class ReasoningConfig(msgspec.Struct, forbid_unknown_fields=True):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None  # the reasoning itself comes back
+    # A summary asked for is the reasoning itself: mlxd has no model to summarize it with.
+    summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
@@ -176,11 +177,21 @@ class ReasoningText(msgspec.Struct, tag_field="type", tag="reasoning_text"):
     text: str
 
 
+class SummaryText(msgspec.Struct, tag_field="type", tag="summary_text"):
+    text: str
+
+
 class ReasoningOut(msgspec.Struct, tag_field="type", tag="reasoning"):
+    """The model's reasoning, as `content` or, when the request asks for a summary, as `summary`."""
     id: str
     content: list[ReasoningText]
-    summary: list[Any] = msgspec.field(default_factory=list)
+    summary: list[SummaryText] = msgspec.field(default_factory=list)
     status: str = "completed"
+
+    @property
+    def part(self) -> ReasoningText | SummaryText:
+        """The one part the text goes to."""
+        return (self.summary or self.content)[0]
 
 
 class FunctionCallOut(msgspec.Struct, tag_field="type", tag="function_call"):

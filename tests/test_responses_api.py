@@ -161,3 +161,37 @@ def test_text_format_json_schema_constrains_the_output(client):
     plain_json = client.responses.create(model=MODEL_NAME, input="Hello there", max_output_tokens=40,
                                          text={"format": {"type": "json_object"}})
     assert plain_json.output_text.lstrip().startswith("{")  # json_object: a JSON object
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(tmp_path_factory):
+    markers, script = SCRIPTS["reasoning"]
+    path = make_scripted_model(tmp_path_factory.mktemp("responses-reasoning") / "model", script, markers)
+    server = Server(["serve", "--model", str(path), "--served-model-name", "scripted"], path.parent / "serve.log")
+    server.wait_ready()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("summary", [None, "auto"])
+def test_reasoning_comes_back_as_a_reasoning_item(reasoning_server, validate, summary):
+    """As reasoning_text content; as the summary when one is asked for (the reasoning is its own summary)."""
+    body = {"model": "scripted", "input": "What is the capital of France?", "temperature": 0,
+            "reasoning": {"effort": "high", "summary": summary}}
+    response = reasoning_server.http.post("/v1/responses", json=body).json()
+    validate(response, "Response")
+    reasoning, message = response["output"]
+    part = {"type": "summary_text" if summary else "reasoning_text", "text": "The user wants the capital.\n"}
+    assert (reasoning["type"], reasoning["summary" if summary else "content"]) == ("reasoning", [part])
+    assert message["content"][0]["text"] == "Paris."
+    events = []
+    with reasoning_server.http.stream("POST", "/v1/responses", json=dict(body, stream=True)) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    for event in events:
+        validate(event, event_schema(event))
+    kinds = [e["type"] for e in events]
+    prefix = "response.reasoning_summary_text" if summary else "response.reasoning_text"
+    text = "".join(e["delta"] for e in events if e["type"] == prefix + ".delta")
+    assert text == part["text"] and prefix + ".done" in kinds
+    assert ("response.reasoning_summary_part.added" in kinds) == bool(summary)
+    assert events[-1]["response"]["output"][0] == dict(reasoning, id=events[-1]["response"]["output"][0]["id"])
