@@ -9,7 +9,7 @@ Plan and a worker, `Serving` (gateway/serving.py) builds the grammar and one
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -109,7 +109,7 @@ class Plan:
     def prompt_param(self) -> str:
         return self.messages_param if isinstance(self.prompt, ChatInput) else "prompt"
 
-    def grammar(self, tool_family: str | None, tokens: Collection[str] = ()) -> str | None:
+    def grammar(self, tool_family: str | None, tokens: Mapping[str, int] | None = None) -> str | None:
         """The grammar the output must follow: a forced tool call (in the
         model's tool-call format, `tool_family`; None: one with no grammar;
         `tokens`: the model's added tokens), or JSON."""

@@ -33,6 +33,7 @@ from gateway.parsing import ToolCall, stream_parsers
 from gateway.plan import ChatInput, DocumentStart, Plan
 from gateway.responses import EventStream, MsgspecResponse
 from gateway.settings import GatewaySettings
+from gateway.structured import FAMILY_OF_PARSER
 from gateway.tokenizer import Prompt, PromptError
 from gateway.worker_link import WorkerLink, WorkerState, WorkerUnavailable
 
@@ -346,7 +347,7 @@ def forced_call_format(worker: WorkerState) -> str | None:
     the model's own family, or None for a format of mlx-lm's that has no grammar here."""
     if worker.tool_format is None:
         return worker.tokenizer.tool_family
-    return {"json_tools": "hermes", "mistral": "mistral"}.get(worker.tool_format.name)
+    return FAMILY_OF_PARSER.get(worker.tool_format.name)
 
 
 def delta_error(delta: Delta) -> APIError:

@@ -7,7 +7,8 @@ worker sees anything; the worker only follows them.
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+import re
+from collections.abc import Mapping
 
 import llguidance
 
@@ -58,39 +59,86 @@ def named_tool(tools: list[dict], name: str) -> list[dict]:
     return chosen
 
 
-def _marker(text: str, tokens: Collection[str]) -> str:
-    """A format marker in lark: the model's own token when it has one (llguidance
-    matches an added token only as itself, never by its text), else the text."""
-    return text if text in tokens else json.dumps(text)
+def _text(text: str, tokens: Mapping[str, int]) -> str:
+    """Fixed text in lark, where any of the model's added tokens in it is written
+    as that token (`<[id]>`): llguidance matches an added token only as itself,
+    never by its text, and a model writes its format's markers as those tokens."""
+    found = sorted((t for t in tokens if len(t) > 1 and not t.isspace() and t in text), key=len, reverse=True)
+    parts = re.split("(" + "|".join(map(re.escape, found)) + ")", text) if found else [text]
+    return " ".join(f"<[{tokens[part]}]>" if part in found else json.dumps(part) for part in parts if part)
 
 
-def _harmony_call_grammar(tools: list[dict], tokens: Collection[str]) -> str:
-    """One Harmony message to one of the tools: its name in the header, its arguments as the body."""
-    channel, constrain, message = (_marker(m, tokens) for m in ("<|channel|>", "<|constrain|>", "<|message|>"))
-    calls = [f'{channel} "commentary to=functions.{tool["function"]["name"]} " {constrain} "json" {message} '
-             f'%json {json.dumps(_compact(tool["function"].get("parameters") or {"type": "object"}))}'
-             for tool in tools]
-    return "start: " + " | ".join(f"call{i}" for i in range(len(calls))) + "\n" + "".join(
-        f"call{i}: {call}\n" for i, call in enumerate(calls))
+def _arguments(schema: dict | None) -> str:
+    """A JSON value following `schema` (any object without one)."""
+    return f"%json {json.dumps(_compact(schema or {'type': 'object'}))}"
 
 
-# Each family's call: the markers before and after its JSON.
-AROUND = {"hermes": (["<tool_call>", "\n"], ["\n", "</tool_call>"]), "mistral": (["[TOOL_CALLS]"], []),
-          "llama3": ([], [])}
+# Formats whose call names the tool in a header, then gives its arguments as one JSON object.
+JSON_BODY = {
+    "harmony": ("<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>", ""),
+    "kimi_k2": ("<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>",
+                "<|tool_call_end|><|tool_calls_section_end|>"),
+}
+# Formats whose call names the tool, then writes each argument between tags (as mlx-lm's parsers read them):
+# (call opening, argument opening, argument closing, call closing).
+TAGGED = {
+    "qwen3_coder": ("<tool_call>\n<function={name}>\n", "<parameter={key}>\n", "\n</parameter>\n",
+                    "</function>\n</tool_call>"),
+    "glm47": ("<tool_call>{name}", "<arg_key>{key}</arg_key><arg_value>", "</arg_value>", "</tool_call>"),
+    "minimax_m2": ('<minimax:tool_call>\n<invoke name="{name}">\n', '<parameter name="{key}">', "</parameter>\n",
+                   "</invoke>\n</minimax:tool_call>"),
+}
+# Formats whose call is one JSON object naming the tool, between fixed markers.
+AROUND = {"hermes": ("<tool_call>\n", "\n</tool_call>"), "mistral": ("[TOOL_CALLS]", ""), "llama3": ("", "")}
+# mlx-lm's parser names (gateway/tool_formats.py) for the formats above.
+FAMILY_OF_PARSER = {"json_tools": "hermes", "mistral": "mistral", **{name: name for name in [*JSON_BODY, *TAGGED]}}
 
 
-def forced_tool_call_grammar(tools: list[dict], family: str, tokens: Collection[str] = (),
-                             param: str = "tool_choice") -> str:
-    """Output that is exactly one call of one of `tools`, in the model's own
-    tool-call format; `tokens`: the model's added tokens."""
-    if family == "harmony":
-        return _validated(llguidance.LLMatcher.grammar_from_lark(_harmony_call_grammar(tools, tokens)), param)
-    key = "parameters" if family == "llama3" else "arguments"
-    calls = [_call_schema(tool, key) for tool in tools]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+def _tagged_value(schema: dict, close: str, tokens: Mapping[str, int]) -> str:
+    """One argument's value and its closing tag. Text is written raw: up to
+    the closing tag's `<` (so it may not hold one), or one of its enum values."""
+    if schema.get("enum") and all(isinstance(value, str) for value in schema["enum"]):
+        return "(" + " | ".join(json.dumps(value) for value in schema["enum"]) + ") " + _text(close, tokens)
+    if schema.get("type", "string") == "string":
+        return "/[^<]*/ " + _text(close.lstrip("\n"), tokens)  # the newline before the tag is the value's
+    return f"{_arguments(schema)} {_text(close, tokens)}"
+
+
+def _tagged_call(tool: dict, family: str, tokens: Mapping[str, int]) -> str:
+    """A call with each required argument, and each optional one or not, in the schema's order."""
+    call_open, arg_open, arg_close, call_close = TAGGED[family]
+    function = tool["function"]
+    schema = function.get("parameters") or {}
+    required = set(schema.get("required", []))
+    arguments = []
+    for key, value in schema.get("properties", {}).items():
+        argument = f"{_text(arg_open.format(key=key), tokens)} {_tagged_value(value, arg_close, tokens)}"
+        arguments.append(argument if key in required else f"({argument})?")
+    return " ".join([_text(call_open.format(name=function["name"]), tokens), *arguments,
+                     _text(call_close, tokens)])
+
+
+def _call_rule(tool: dict, family: str, tokens: Mapping[str, int]) -> str:
+    """The lark rule for one call of `tool` in `family`'s format."""
+    name, parameters = tool["function"]["name"], tool["function"].get("parameters")
+    if family in TAGGED:
+        return _tagged_call(tool, family, tokens)
+    if family in JSON_BODY:
+        header, end = JSON_BODY[family]
+        return f"{_text(header.format(name=name), tokens)} {_arguments(parameters)} {_text(end, tokens)}"
+    schema = _call_schema(tool, "parameters" if family == "llama3" else "arguments")
     if family == "mistral":
         schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": 1}
     before, after = AROUND[family]
-    sequence = " ".join([_marker(m, tokens) for m in before] + ["call"] + [_marker(m, tokens) for m in after])
-    lark = f"start: {sequence}\ncall: %json {json.dumps(_compact(schema))}\n"
+    return f"{_text(before, tokens)} {_arguments(schema)} {_text(after, tokens)}"
+
+
+def forced_tool_call_grammar(tools: list[dict], family: str, tokens: Mapping[str, int] | None = None,
+                             param: str = "tool_choice") -> str:
+    """Output that is exactly one call of one of `tools`, in the model's own
+    tool-call format (one of FAMILY_OF_PARSER's values); `tokens`: the model's
+    added tokens, by text."""
+    rules = [_call_rule(tool, family, tokens or {}) for tool in tools]
+    lark = "start: " + " | ".join(f"call{i}" for i in range(len(rules))) + "\n" + "".join(
+        f"call{i}: {rule}\n" for i, rule in enumerate(rules))
     return _validated(llguidance.LLMatcher.grammar_from_lark(lark), param)

@@ -86,9 +86,9 @@ class Tokenizer:
                 self._tok.chat_template = self._tok.chat_template or self.processor.chat_template
 
     @functools.cached_property
-    def added_tokens(self) -> frozenset[str]:
-        """The text of every token added to the base vocabulary (special or not)."""
-        return frozenset(token.content for token in self.rust.get_added_tokens_decoder().values())
+    def added_tokens(self) -> dict[str, int]:
+        """Every token added to the base vocabulary (special or not): its id by its text."""
+        return {token.content: token_id for token_id, token in self.rust.get_added_tokens_decoder().items()}
 
     @property
     def has_chat_template(self) -> bool:

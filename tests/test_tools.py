@@ -233,7 +233,7 @@ def test_harmony_reasoning_before_a_call(scripted):
     assert message.reasoning_content == "Need the weather." and calls_of(message) == [("get_weather", {"city": "Paris"})]
 
 
-@pytest.mark.parametrize("family", ["hermes", "harmony"])
+@pytest.mark.parametrize("family", ["hermes", "mistral", "llama3", "harmony", "qwen3_coder", "glm47", "minimax_m2"])
 def test_a_forced_call_follows_the_models_format(scripted, family):
     client = openai_client(scripted(family))
     # A closed schema: the grammar, not the model, then decides when the call ends.
@@ -241,7 +241,7 @@ def test_a_forced_call_follows_the_models_format(scripted, family):
             "additionalProperties": False}
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}}]
     response = client.chat.completions.create(model="scripted", messages=ASK, tools=tools, tool_choice="required",
-                                              max_tokens=60, temperature=0)
+                                              max_tokens=200, temperature=0)
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     [(name, arguments)] = calls_of(choice.message)
@@ -249,7 +249,7 @@ def test_a_forced_call_follows_the_models_format(scripted, family):
 
 
 def test_a_forced_call_in_a_format_without_a_grammar_is_a_clear_400(scripted):
-    client = openai_client(scripted("glm47"))
+    client = openai_client(scripted("gemma4"))
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, tool_choice="required")
     assert e.value.body["param"] == "tool_choice"

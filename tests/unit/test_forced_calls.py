@@ -1,0 +1,73 @@
+"""Forced tool calls: the grammar written for each format accepts a call as the
+model writes it, refuses one that breaks the schema, and what it accepts is
+what the format's parser reads back."""
+
+import json
+
+import llguidance
+import pytest
+from tokenizers import AddedToken
+
+from gateway.parsing import HarmonyParser, ToolCallParser
+from gateway.structured import forced_tool_call_grammar
+from gateway.tool_formats import load_tool_format
+from tests.tiny_model import train_tokenizer
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city", "days"],
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "unit": {"enum": ["C", "F"]}}}}}
+ARGUMENTS = {"city": "New York", "days": 3}
+
+# family: (mlx-lm's parser name or None for mlxd's own, a call as the model writes it)
+CALLS = {
+    "hermes": (None, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "New York", "days": 3}}\n</tool_call>'),
+    "mistral": (None, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "New York", "days": 3}}]'),
+    "llama3": (None, '{"name": "get_weather", "parameters": {"city": "New York", "days": 3}}'),
+    "qwen3_coder": ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+                                   "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"),
+    "glm47": ("glm47", "<tool_call>get_weather<arg_key>city</arg_key><arg_value>New York</arg_value>"
+                       "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"),
+    "minimax_m2": ("minimax_m2", '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">New York'
+                                 '</parameter>\n<parameter name="days">3</parameter>\n</invoke>\n</minimax:tool_call>'),
+    "kimi_k2": ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                           '<|tool_call_argument_begin|>{"city": "New York", "days": 3}<|tool_call_end|>'
+                           "<|tool_calls_section_end|>"),
+    "harmony": (None, '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+                      '{"city": "New York", "days": 3}'),
+}
+# The markers real models have as tokens of their own.
+MARKERS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+           "<minimax:tool_call>", "</minimax:tool_call>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
+           "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>", "<|channel|>",
+           "<|constrain|>", "<|message|>"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = train_tokenizer()
+    tok.add_tokens([AddedToken(marker, normalized=False, special=marker.startswith("<|")) for marker in MARKERS])
+    return tok
+
+
+def accepts(tok, grammar: str, text: str) -> bool:
+    matcher = llguidance.LLMatcher(llguidance.LLTokenizer(tok.to_str()), grammar)
+    return all(matcher.consume_token(t) for t in tok.encode(text).ids) and matcher.is_accepting()
+
+
+def parsed(family: str, parser_name: str | None, text: str) -> list[tuple[str, dict]]:
+    if family == "harmony":
+        _, _, calls = HarmonyParser([TOOL]).feed(text, True)
+    else:
+        fmt = load_tool_format(parser_name) if parser_name else None
+        _, calls = ToolCallParser(family, [TOOL], fmt).feed(text, True)
+    return [(call.name, json.loads(call.arguments)) for call in calls]
+
+
+@pytest.mark.parametrize("family", sorted(CALLS))
+def test_the_grammar_accepts_the_call_and_the_parser_reads_it_back(tokenizer, family):
+    parser_name, text = CALLS[family]
+    tokens = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
+    grammar = forced_tool_call_grammar([TOOL], family, tokens)
+    assert accepts(tokenizer, grammar, text)
+    assert not accepts(tokenizer, grammar, text.replace("3", '"three"', 1))  # days must be an integer
+    assert parsed(family, parser_name, text) == [("get_weather", ARGUMENTS)]
