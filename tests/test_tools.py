@@ -52,6 +52,14 @@ SCRIPTS = {
                                            "</invoke>", "</minimax:tool_call>"]),
     "gemma4": ("<|tool_call> <tool_call|>", ["<|tool_call>", 'call:get_weather{city:<|"|>Paris<|"|>}',
                                              "<tool_call|>"]),
+    "kimi_k2": ("<|tool_calls_section_begin|>", ["<|tool_calls_section_begin|>", "<|tool_call_begin|>",
+                                                 "functions.get_weather:0", "<|tool_call_argument_begin|>",
+                                                 json.dumps(CALL["arguments"]), "<|tool_call_end|>",
+                                                 "<|tool_calls_section_end|>"]),
+    "pythonic": ("<|tool_call_start|>", ["<|tool_call_start|>", '[get_weather(city="Paris")]', "<|tool_call_end|>"]),
+    "function_gemma": ("<start_function_call>", ["<start_function_call>",
+                                                 "call:get_weather{city:<escape>Paris<escape>}",
+                                                 "<end_function_call>"]),
 }
 
 
@@ -100,14 +108,16 @@ def streamed(client, **kwargs):
 
 
 @pytest.mark.parametrize("family", ["hermes", "mistral", "llama3", "qwen3_coder", "glm47", "minimax_m2", "gemma4",
-                                    "harmony"])
+                                    "kimi_k2", "pythonic", "function_gemma", "harmony"])
 def test_tool_calls_parsed_for_each_family(scripted, family):
     client = openai_client(scripted(family))
     response = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, temperature=0)
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert calls_of(choice.message) == [("get_weather", {"city": "Paris"})]
-    assert choice.message.tool_calls[0].id.startswith("call_")
+    # Kimi's calls carry their own ids, which its template expects back; the others get ours.
+    assert choice.message.tool_calls[0].id == "functions.get_weather:0" if family == "kimi_k2" else (
+        choice.message.tool_calls[0].id.startswith("call_"))
     expected_content = "Let me check." if family in ("hermes", "qwen3_coder") else None
     assert choice.message.content == expected_content
     content, _, calls, finish = streamed(client, messages=ASK, tools=TOOLS, temperature=0)
