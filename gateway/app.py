@@ -18,7 +18,7 @@ from starlette.routing import Route
 from gateway.anthropic_api import AnthropicAPI
 from gateway.curve import CurveError
 from gateway.errors import APIError, api_error_handler, http_error_handler, internal_error_handler
-from gateway.health import worker_status
+from gateway.health import worker_status, workers_status
 from gateway.metrics import RequestCounter
 from gateway.openai_api import OpenAIAPI
 from gateway.openai_responses import ResponsesAPI, ResponseStore
@@ -66,7 +66,7 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
         if not request.scope["state"]["authenticated"]:
             # Open to all, so that probes need no key; details only with one.
             return MsgspecResponse({"status": status, "worker": {"ready": link.ready}})
-        body: dict = {"status": status, "worker": worker_status(link)}
+        body: dict = {"status": status, "worker": worker_status(link), "workers": workers_status(link)}
         if supervisor is not None:
             body["supervisor"] = supervisor.status()
         return MsgspecResponse(body)

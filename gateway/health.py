@@ -1,4 +1,4 @@
-"""What /health (and /metrics) say of the worker: the link's state as a plain dict."""
+"""What /health (and /metrics) say of the workers: the link's state as plain dicts."""
 
 from __future__ import annotations
 
@@ -7,31 +7,46 @@ from typing import Any
 
 import msgspec
 
-from gateway.worker_link import WorkerLink
+from gateway.worker_link import WorkerLink, WorkerState
+
+
+def _worker_entry(w: WorkerState, now: float) -> dict[str, Any]:
+    entry: dict[str, Any] = dict(
+        ready=w.ready,
+        state=w.vitals.state.value,
+        pid=w.hello.pid,
+        epoch=w.hello.epoch,
+        model=w.hello.model,
+        context_length=w.hello.context_length,
+        capacity=w.hello.capacity,
+        sampling_defaults=msgspec.structs.asdict(w.sampling),
+        running=w.vitals.running,
+        waiting=w.waiting,
+        steps=w.vitals.steps,
+        last_heartbeat_s=round(now - w.vitals.last_beat, 3),
+        up_s=round(now - w.accepted_at, 1),
+    )
+    if w.prefix_cache is not None:
+        entry["prefix_cache"] = msgspec.structs.asdict(w.prefix_cache)
+    if w.affinity is not None:
+        entry["affinity"] = {"evaluations": w.affinity.evaluations, "off_main_thread": w.affinity.off_main_thread}
+    return entry
+
+
+def workers_status(link: WorkerLink) -> list[dict[str, Any]]:
+    """One entry per connected worker (replicas included), oldest first."""
+    now = time.monotonic()
+    return [_worker_entry(w, now) for w in link.workers.values()]
 
 
 def worker_status(link: WorkerLink) -> dict[str, Any]:
+    """The oldest worker (kept for existing probes) and the link's own counters;
+    `ready` is the link's: some worker can take requests."""
     w = link.worker
-    state: dict[str, Any] = {"ready": link.ready, "state": w.vitals.state.value if w else "absent"}
+    state: dict[str, Any] = {"state": "absent"}
     if w is not None:
-        now = time.monotonic()
-        state.update(
-            pid=w.hello.pid,
-            epoch=w.hello.epoch,
-            model=w.hello.model,
-            context_length=w.hello.context_length,
-            capacity=w.hello.capacity,
-            sampling_defaults=msgspec.structs.asdict(w.sampling),
-            running=w.vitals.running,
-            waiting=w.waiting,
-            steps=w.vitals.steps,
-            last_heartbeat_s=round(now - w.vitals.last_beat, 3),
-            up_s=round(now - w.accepted_at, 1),
-        )
-        if w.prefix_cache is not None:
-            state["prefix_cache"] = msgspec.structs.asdict(w.prefix_cache)
-        if w.affinity is not None:
-            state["affinity"] = {"evaluations": w.affinity.evaluations, "off_main_thread": w.affinity.off_main_thread}
+        state.update(_worker_entry(w, time.monotonic()))
+    state["ready"] = link.ready
     if (load_error := link.load_error) is not None:
         state["load_error"] = load_error
     state["requests_waiting_for_a_worker"] = link.requests_waiting

@@ -85,6 +85,7 @@ class RequestState:
         # can continue on the next one from exactly where they were.
         self.generated: list[int] = []
         self.worker_losses = 0
+        self.worker: bytes | None = None  # the identity of the worker running it (gateway/worker_link.py)
         self.cached_tokens = 0  # prompt tokens the worker took from its prefix cache
         # The weights it runs on (Hello.model_digest): it resumes only on the same.
         self.model_digest = ""

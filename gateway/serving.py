@@ -216,7 +216,7 @@ class Serving:
         worker = await self.worker_for(plan.model)
         prompt = await self.prompt(worker, plan)
         group = self._group(worker, plan, prompt, renderer.id)
-        deltas = self.generate(request, plan, group, renderer.id)
+        deltas = self.generate(request, plan, group, renderer.id, worker)
         if plan.stream:
             # Admitted and submitted before any 200: a refusal is still a 4xx/5xx.
             opening = await anext(deltas)
@@ -251,8 +251,8 @@ class Serving:
             log.info("%s prompt: %r", request_id, worker.tokenizer.decode(prompt.token_ids))
         return RequestGroup(states, queue)
 
-    async def generate(self, request: Request, plan: Plan, group: RequestGroup,
-                       request_id: str) -> AsyncGenerator[Delta]:
+    async def generate(self, request: Request, plan: Plan, group: RequestGroup, request_id: str,
+                       worker: WorkerState) -> AsyncGenerator[Delta]:
         """Admit the request (429/503), submit its choices to the worker, and
         yield first an empty Delta opening each choice, then every Delta until
         each choice has its final one.
@@ -272,7 +272,7 @@ class Serving:
         try:
             try:
                 for state in group.states:
-                    self.link.submit(state)
+                    self.link.submit(state, worker)
             except WorkerUnavailable as e:
                 raise unavailable(str(e)) from None
             for state in group.states:

@@ -4,14 +4,19 @@ Over the transport (gateway/transport.py), each worker's identity carries its
 epoch, so messages from a worker that has been replaced are recognised and
 ignored.
 
-The worker is ready, draining, unresponsive or hung (gateway/liveness.py);
+Several workers of one model may connect (replicas: more processes, or other
+Macs over tcp); each request goes to the ready one with the fewest requests
+of this gateway's. A worker serving other weights replaces those there, as
+does a newcomer for a replica that has stopped answering.
+
+Each worker is ready, draining, unresponsive or hung (gateway/liveness.py);
 one given up on is killed under `mlxd serve` and treated as lost.
 A worker that is gone (Goodbye, process exit, its ipc connection closed, or
-replaced by a newer one) leaves its unfinished requests to be resumed on the
-next worker serving the same weights (Hello.model_digest): the prompt plus the
-tokens already delivered, so the client sees only a pause. A request survives
-one lost worker; one caught in a second, or whose next worker serves another
-model, fails cleanly.
+replaced) leaves its unfinished requests to be resumed on another ready
+replica, or the next worker, serving the same weights (Hello.model_digest):
+the prompt plus the tokens already delivered, so the client sees only a
+pause. A request survives one lost worker; one caught in a second, or whose
+next worker serves another model, fails cleanly.
 
 A worker that cannot load its model says why (LoadFailed) before it exits:
 until a worker is accepted, /health shows the reason and requests get a 503
@@ -23,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +84,7 @@ class WorkerState:
     waiting: int = 0
     affinity: AffinityReport | None = None
     prefix_cache: PrefixCacheStats | None = None
+    ready: bool = True  # its liveness says so: requests may go to it
 
 
 @dataclass
@@ -107,7 +114,7 @@ class WorkerLink:
         # Called with the pid of a worker hung or unresponsive for
         # --hung-worker-s; `mlxd serve` kills it there and starts another.
         self.on_unhealthy = on_unhealthy
-        self.worker: WorkerState | None = None
+        self.workers: dict[bytes, WorkerState] = {}  # by identity, oldest first
         # The last worker that could not load its model, until one is accepted.
         self.load_failure: LoadFailed | None = None
         self.stats = LinkStats()
@@ -135,40 +142,54 @@ class WorkerLink:
         # Streams still open past the server's own shutdown end here; nothing more goes to the worker.
         for state in self.outputs:
             self.outputs.fail(state.request_id, "the gateway is shutting down", 503)
-        self.worker = None
+        self.workers.clear()
         self.transport.close()
 
     # ---- used by the HTTP handlers -----------------------------------------
+
+    @property
+    def worker(self) -> WorkerState | None:
+        """The oldest worker here (what /health's `worker` describes)."""
+        return next(iter(self.workers.values()), None)
 
     @property
     def ready(self) -> bool:
         return self._ready.is_set()
 
     async def ready_worker(self, timeout_s: float) -> WorkerState:
+        """The ready worker a new request should go to (the least loaded)."""
         if self.load_error is not None and not self.ready:
             raise WorkerUnavailable(self.load_error)
-        try:
-            await asyncio.wait_for(self._ready.wait(), timeout_s)
-        except TimeoutError:
-            raise WorkerUnavailable(f"no worker became ready within {timeout_s:g}s") from None
-        assert self.worker is not None
-        return self.worker
+        deadline = time.monotonic() + timeout_s
+        while (worker := self._least_loaded()) is None:
+            try:
+                await asyncio.wait_for(self._ready.wait(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise WorkerUnavailable(f"no worker became ready within {timeout_s:g}s") from None
+        return worker
 
-    def submit(self, state: RequestState) -> None:
-        if self.worker is None or not self.ready:
+    def submit(self, state: RequestState, prepared_by: WorkerState) -> None:
+        """Send a request, its prompt prepared for `prepared_by`'s weights, to the
+        least loaded ready worker serving them (chosen now, as load changes
+        while prompts are prepared)."""
+        worker = self._least_loaded(prepared_by.hello.model_digest)
+        if worker is None:
             raise WorkerUnavailable("the worker went away")
-        state.model_digest = self.worker.hello.model_digest
+        state.model_digest = worker.hello.model_digest
         self.outputs.add(state)
-        self._send(self.worker.identity, state.add_request(), state.buffers)
+        self._dispatch(state, worker)
 
     def abort(self, request_ids: list[str]) -> None:
-        """Drop requests whose client is done with them, and tell the worker to
-        drop those still running. Only `Serving.generate` calls this."""
-        dropped = [request_id for request_id in request_ids if self.outputs.abort(request_id)]
+        """Drop requests whose client is done with them, and tell their workers
+        to drop those still running. Only `Serving.generate` calls this."""
+        dropped: dict[bytes, list[str]] = {}
         for request_id in request_ids:
             self._resume_by.pop(request_id, None)
-        if dropped and self.worker is not None:
-            self._send(self.worker.identity, Abort(dropped))
+            state = self.outputs.get(request_id)
+            if state is not None and self.outputs.abort(request_id) and state.worker in self.workers:
+                dropped.setdefault(state.worker, []).append(request_id)
+        for identity, ids in dropped.items():
+            self._send(identity, Abort(ids))
 
     @property
     def load_error(self) -> str | None:
@@ -185,6 +206,19 @@ class WorkerLink:
 
     # ---- the link itself ---------------------------------------------------
 
+    def _least_loaded(self, model_digest: str | None = None) -> WorkerState | None:
+        """The ready worker (serving these weights, if given) running the fewest of our requests."""
+        ready = [w for w in self.workers.values()
+                 if w.ready and (model_digest is None or w.hello.model_digest == model_digest)]
+        if not ready:
+            return None
+        load = Counter(state.worker for state in self.outputs)
+        return min(ready, key=lambda w: load[w.identity])
+
+    def _dispatch(self, state: RequestState, worker: WorkerState) -> None:
+        state.worker = worker.identity
+        self._send(worker.identity, state.add_request(), state.buffers)
+
     def _send(self, identity: bytes, message: ToWorker, buffers: Sequence[Any] = ()) -> None:
         if not self.transport.send(identity, message, buffers):
             # Acted on after the caller is done with its own bookkeeping.
@@ -197,8 +231,8 @@ class WorkerLink:
             await self.transport.closed_connection()
             for delay in (0.0, 0.05):  # the socket may learn of the closed pipe a moment after the event
                 await asyncio.sleep(delay)
-                if self.worker is not None:
-                    self._send(self.worker.identity, Welcome(self.worker.hello.epoch))
+                for w in list(self.workers.values()):
+                    self._send(w.identity, Welcome(w.hello.epoch))
 
     async def _receive_loop(self) -> None:
         while True:
@@ -215,13 +249,14 @@ class WorkerLink:
                 log.error("worker pid %d cannot load its model %r: %s", message.pid, message.model, message.reason)
                 self.load_failure = message
                 continue
-            w = self.worker
-            if isinstance(message, Heartbeat):
-                if w is not None and message.epoch == w.hello.epoch:
-                    self._on_heartbeat(w, message)
+            if isinstance(message, Heartbeat):  # from the worker's own heartbeat socket: known by its epoch
+                beating = next((w for w in self.workers.values() if w.hello.epoch == message.epoch), None)
+                if beating is not None:
+                    self._on_heartbeat(beating, message)
                 continue
-            if w is None or identity != w.identity:
-                continue  # a replaced worker's leftovers
+            w = self.workers.get(identity)
+            if w is None:
+                continue  # a lost or replaced worker's leftovers
             if isinstance(message, StepOutput):
                 aborts = self.outputs.process(message)
                 if aborts:  # stop strings, which the worker cannot see
@@ -232,7 +267,7 @@ class WorkerLink:
                 w.vitals.draining = True
                 self._assess(w)
             elif isinstance(message, Goodbye):
-                self._lose_worker(f"it said goodbye ({message.reason})", handed_back=set(message.handed_back))
+                self._lose_worker(w, f"it said goodbye ({message.reason})", handed_back=set(message.handed_back))
 
     def _reject(self, identity: bytes, frame: bytes, error: ProtocolError) -> None:
         version = hello_version(frame)
@@ -253,15 +288,13 @@ class WorkerLink:
         if hello.protocol_version != PROTOCOL_VERSION:
             self._refuse(identity, hello.protocol_version)
             return
-        w = self.worker
-        if w is not None and w.identity == identity:
+        if identity in self.workers:
             self._send(identity, Welcome(hello.epoch))  # our Welcome crossed its retry
             return
-        if w is not None and hello.epoch < w.hello.epoch:
-            log.warning("ignored a Hello from an older worker (epoch %d)", hello.epoch)
-            return
-        if w is not None and w.tokenizer.digest == files_digest(hello.tokenizer_files):
-            tokenizer = w.tokenizer
+        digest = files_digest(hello.tokenizer_files)
+        known = next((w.tokenizer for w in self.workers.values() if w.tokenizer.digest == digest), None)
+        if known is not None:
+            tokenizer = known
         else:
             try:
                 tokenizer = await asyncio.to_thread(Tokenizer, hello.tokenizer_files, hello.vision)
@@ -269,20 +302,21 @@ class WorkerLink:
                 log.exception("refused a worker (pid %d): its tokenizer files cannot be loaded", hello.pid)
                 self._send(identity, Refused(f"the gateway cannot load this model's tokenizer: {e}"))
                 return
-        if self.worker is not None:
-            old = self.worker
-            self._lose_worker(f"replaced by a newer worker (pid {hello.pid})", handed_back=set())
-            # Should the old one wake up, it must not serve beside the new one.
-            self._send(old.identity, Refused("replaced by a newer worker"))
+        for old in list(self.workers.values()):
+            if old.hello.model_digest != hello.model_digest or not old.ready:
+                why = "serving other weights" if old.hello.model_digest != hello.model_digest else "not answering"
+                self._lose_worker(old, f"replaced by a newer worker (pid {hello.pid}); it was {why}", set())
+                # Should the old one wake up, it must not serve beside the new one.
+                self._send(old.identity, Refused(f"replaced by a newer worker; this one was {why}"))
         now = time.monotonic()
         self.load_failure = None
         self.stats.workers_accepted += 1
         vitals = Vitals(self.worker_timeout_s, self.hung_worker_s, last_beat=now, last_progress=now)
-        self.worker = WorkerState(identity, hello, tokenizer, accepted_at=now, vitals=vitals,
-                                  sampling=sampling_defaults(hello.tokenizer_files),
-                                  tool_format=load_tool_format(hello.tool_parser),
-                                  reasoning_markers=(hello.reasoning_markers[0], hello.reasoning_markers[1])
-                                  if len(hello.reasoning_markers) == 2 else tokenizer.reasoning_markers)
+        self.workers[identity] = WorkerState(
+            identity, hello, tokenizer, accepted_at=now, vitals=vitals,
+            sampling=sampling_defaults(hello.tokenizer_files), tool_format=load_tool_format(hello.tool_parser),
+            reasoning_markers=(hello.reasoning_markers[0], hello.reasoning_markers[1])
+            if len(hello.reasoning_markers) == 2 else tokenizer.reasoning_markers)
         self._send(identity, Welcome(hello.epoch))
         self._ready.set()
         log.info(
@@ -292,23 +326,27 @@ class WorkerLink:
         self._resume_waiting()
 
     def _resume_waiting(self) -> None:
-        w = self.worker
-        assert w is not None
-        resumed = 0
+        """Send the requests a lost worker left to a ready worker serving their weights."""
+        resumed: Counter[int] = Counter()
         for request_id in list(self._resume_by):
-            del self._resume_by[request_id]
             state = self.outputs.get(request_id)
             if state is None:
+                del self._resume_by[request_id]
                 continue
-            if state.model_digest != w.hello.model_digest:
-                self._fail_after_loss(request_id, f"the worker came back serving other weights ({w.hello.model}); "
-                                      "this request cannot continue on them")
+            w = self._least_loaded(state.model_digest)
+            if w is None:
+                other = self._least_loaded()
+                if other is not None:  # replicas serve one model: the weights it needs are gone
+                    del self._resume_by[request_id]
+                    self._fail_after_loss(request_id, f"the worker came back serving other weights "
+                                          f"({other.hello.model}); this request cannot continue on them")
                 continue
-            self._send(w.identity, state.add_request(), state.buffers)
-            resumed += 1
-        if resumed:
-            self.stats.requests_resumed += resumed
-            log.info("resumed %d requests on worker pid %d", resumed, w.hello.pid)
+            del self._resume_by[request_id]
+            self._dispatch(state, w)
+            resumed[w.hello.pid] += 1
+        for pid, count in resumed.items():
+            self.stats.requests_resumed += count
+            log.info("resumed %d requests on worker pid %d", count, pid)
 
     def _on_heartbeat(self, w: WorkerState, beat: Heartbeat) -> None:
         w.vitals.beat(time.monotonic(), beat.step, beat.running)
@@ -322,10 +360,10 @@ class WorkerLink:
         if verdict.changed:
             level = logging.WARNING if verdict.state in UNHEALTHY else logging.INFO
             log.log(level, "worker pid %d: %s -> %s", w.hello.pid, verdict.previous.value, verdict.state.value)
-        if verdict.state == Liveness.READY:
-            self._ready.set()
-        else:
-            self._ready.clear()
+        was_ready, w.ready = w.ready, verdict.state == Liveness.READY
+        self._update_ready()
+        if w.ready and not was_ready:
+            self._resume_waiting()
         if verdict.kill and verdict.state == Liveness.HUNG:
             log.error("worker pid %d is hung: no step for %gs with requests running", w.hello.pid, self.hung_worker_s)
         if verdict.kill and self.on_unhealthy is not None:
@@ -333,25 +371,32 @@ class WorkerLink:
         if verdict.give_up:
             # Its requests move on to the next worker (or fail after
             # --worker-wait-s) rather than wait for it forever.
-            self._lose_worker(f"{verdict.state.value} for {verdict.unhealthy_for:.0f}s", handed_back=set())
+            self._lose_worker(w, f"{verdict.state.value} for {verdict.unhealthy_for:.0f}s", handed_back=set())
+
+    def _update_ready(self) -> None:
+        if any(w.ready for w in self.workers.values()):
+            self._ready.set()
+        else:
+            self._ready.clear()
 
     def _on_disconnect(self, identity: bytes) -> None:
         """A peer's connection closed. Over ipc the worker process is gone (a
         stopped or busy one keeps its socket); over tcp it may be a network
         blip that ZeroMQ reconnects, so the worker is only unresponsive."""
-        w = self.worker
-        if w is None or identity != w.identity:
+        w = self.workers.get(identity)
+        if w is None:
             return
         if self.transport.ipc:
-            self._lose_worker("its connection closed", handed_back=set())
+            self._lose_worker(w, "its connection closed", handed_back=set())
         else:
             w.vitals.disconnected = True
             self._assess(w)
 
     def worker_process_exited(self, pid: int, status: int | None) -> None:
         """`mlxd serve`'s supervisor saw the worker process end."""
-        if self.worker is not None and self.worker.hello.pid == pid:
-            self._lose_worker(f"its process exited with status {status}", handed_back=set())
+        for w in list(self.workers.values()):
+            if w.hello.pid == pid:
+                self._lose_worker(w, f"its process exited with status {status}", handed_back=set())
 
     def _on_error(self, error: Error) -> None:
         if error.request_id is None:
@@ -359,25 +404,25 @@ class WorkerLink:
             return
         self.outputs.fail(error.request_id, f"the worker rejected the request: {error.message}", 500)
 
-    def _lose_worker(self, why: str, handed_back: set[str]) -> None:
-        w = self.worker
-        if w is None:
+    def _lose_worker(self, w: WorkerState, why: str, handed_back: set[str]) -> None:
+        if self.workers.pop(w.identity, None) is None:
             return
         log.warning("worker pid %d lost: %s", w.hello.pid, why)
-        self.worker = None
-        self._ready.clear()
+        self._update_ready()
         self.stats.workers_lost += 1
         deadline = time.monotonic() + self.worker_wait_s
-        for state in self.outputs:
+        for state in list(self.outputs):
+            if state.worker != w.identity:
+                continue
+            state.worker = None
             request_id = state.request_id
-            if request_id in self._resume_by:
-                continue  # already waiting: it never reached this worker
             if request_id not in handed_back:
                 state.worker_losses += 1
             if state.worker_losses > MAX_WORKER_LOSSES:
                 self._fail_after_loss(request_id, f"the worker was lost twice during this request: {why}")
             else:
                 self._resume_by[request_id] = deadline
+        self._resume_waiting()
 
     def _fail_after_loss(self, request_id: str, why: str) -> None:
         """End a request that a lost worker left without a way on (a 503, counted)."""
@@ -387,8 +432,8 @@ class WorkerLink:
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
-            if self.worker is not None:
-                self._assess(self.worker)
+            for w in list(self.workers.values()):
+                self._assess(w)
             now = time.monotonic()
             for request_id, deadline in list(self._resume_by.items()):
                 if now > deadline:

@@ -326,3 +326,45 @@ def test_hung_worker_is_detected_killed_and_replaced(tiny_model, tmp_path, expec
         assert "is hung" in server.log_path.read_text()
     finally:
         server.stop()
+
+
+def running_by_worker(s: Split) -> dict[int, int]:
+    return {w["pid"]: w["running"] for w in s.gateway.health()["workers"] if w["ready"]}
+
+
+def test_replicas_of_one_model_share_the_streams(split, expected):
+    """Two workers on one endpoint: each takes requests, and every answer is the model's."""
+    s = split()
+    first, second = s.start_worker(), s.start_worker()
+    s.gateway.wait_ready()
+    wait_for(lambda: len(running_by_worker(s)) == 2, 60, "both workers ready")
+    readers = [StreamReader(s.gateway.url) for _ in range(4)]
+    for reader in readers:
+        reader.start()
+        reader.wait_for_pieces(1)
+    # The least loaded takes the next (the workers' heartbeats say so within moments).
+    wait_for(lambda: running_by_worker(s) == {first.pid: 2, second.pid: 2}, 2, lambda: running_by_worker(s))
+    for reader in readers:
+        reader.join(120)
+        assert reader.failure is None and reader.errors == [] and reader.done
+        assert reader.text == expected
+
+
+def test_a_lost_replicas_streams_resume_on_the_other(split, expected):
+    s = split("--worker-wait-s", "30")
+    first, second = s.start_worker(), s.start_worker()
+    s.gateway.wait_ready()
+    wait_for(lambda: len(running_by_worker(s)) == 2, 60, "both workers ready")
+    readers = [StreamReader(s.gateway.url) for _ in range(2)]
+    for reader in readers:
+        reader.start()
+        reader.wait_for_pieces(20)
+    wait_for(lambda: running_by_worker(s) == {first.pid: 1, second.pid: 1}, 2, lambda: running_by_worker(s))
+    first.kill()
+    for reader in readers:
+        reader.join(120)
+        assert reader.failure is None and reader.errors == [] and reader.done
+        assert reader.text == expected  # the lost one's stream went on, on the other worker
+    health = s.gateway.health()
+    assert health["worker"]["requests_resumed"] == 1
+    assert [w["pid"] for w in health["workers"]] == [second.pid]
