@@ -5,8 +5,10 @@ epoch, so messages from a worker that has been replaced are recognised and
 ignored.
 
 Several workers of one model may connect (replicas: more processes, or other
-Macs over tcp); each request goes to the ready one with the fewest requests
-of this gateway's. A worker serving other weights replaces those there, as
+Macs over tcp); each request goes to the ready one that was sent the longest
+prefix of its prompt (gateway/affinity.py), unless that one runs
+AFFINITY_SLACK more of this gateway's requests than the least loaded, else to
+the least loaded. A worker serving other weights replaces those there, as
 does a newcomer for a replica that has stopped answering.
 
 Each worker is ready, draining, unresponsive or hung (gateway/liveness.py);
@@ -30,9 +32,10 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.affinity import PrefixIndex, prefix_blocks
 from gateway.liveness import UNHEALTHY, Liveness, Vitals
 from gateway.output_processor import OutputProcessor, RequestState
 from gateway.sampling_defaults import SamplingDefaults, sampling_defaults
@@ -64,6 +67,10 @@ log = logging.getLogger("mlxd.gateway.link")
 # How many lost workers a request survives.
 MAX_WORKER_LOSSES = 1
 WATCHDOG_INTERVAL_S = 0.1
+# A replica that was sent a request's prefix takes it unless it runs this many
+# more requests than the least loaded one: a cached prefix saves one prefill,
+# while a longer queue slows every step of the request.
+AFFINITY_SLACK = 4
 
 
 class WorkerUnavailable(Exception):
@@ -85,6 +92,7 @@ class WorkerState:
     affinity: AffinityReport | None = None
     prefix_cache: PrefixCacheStats | None = None
     ready: bool = True  # its liveness says so: requests may go to it
+    prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # the prompts sent to it
 
 
 @dataclass
@@ -169,15 +177,15 @@ class WorkerLink:
         return worker
 
     def submit(self, state: RequestState, prepared_by: WorkerState) -> None:
-        """Send a request, its prompt prepared for `prepared_by`'s weights, to the
-        least loaded ready worker serving them (chosen now, as load changes
-        while prompts are prepared)."""
-        worker = self._least_loaded(prepared_by.hello.model_digest)
-        if worker is None:
+        """Send a request, its prompt prepared for `prepared_by`'s weights, to a
+        ready worker serving them (chosen now, as load changes while prompts
+        are prepared)."""
+        digest = prepared_by.hello.model_digest
+        if not any(w.ready and w.hello.model_digest == digest for w in self.workers.values()):
             raise WorkerUnavailable("the worker went away")
-        state.model_digest = worker.hello.model_digest
+        state.model_digest = digest
         self.outputs.add(state)
-        self._dispatch(state, worker)
+        self._dispatch(state)
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop requests whose client is done with them, and tell their workers
@@ -206,18 +214,30 @@ class WorkerLink:
 
     # ---- the link itself ---------------------------------------------------
 
-    def _least_loaded(self, model_digest: str | None = None) -> WorkerState | None:
-        """The ready worker (serving these weights, if given) running the fewest of our requests."""
-        ready = [w for w in self.workers.values()
-                 if w.ready and (model_digest is None or w.hello.model_digest == model_digest)]
+    def _least_loaded(self) -> WorkerState | None:
+        """The ready worker running the fewest of our requests."""
+        ready = [w for w in self.workers.values() if w.ready]
         if not ready:
             return None
         load = Counter(state.worker for state in self.outputs)
         return min(ready, key=lambda w: load[w.identity])
 
-    def _dispatch(self, state: RequestState, worker: WorkerState) -> None:
+    def _dispatch(self, state: RequestState) -> WorkerState | None:
+        """Send the request (or its continuation) to the ready worker serving its
+        weights that the module's docstring says; None if there is none."""
+        ready = [w for w in self.workers.values() if w.ready and w.hello.model_digest == state.model_digest]
+        if not ready:
+            return None
+        load = Counter(s.worker for s in self.outputs)
+        least = min(load[w.identity] for w in ready)
+        message = state.add_request()
+        blocks = prefix_blocks(message.prompt_token_ids)
+        worker = max((w for w in ready if load[w.identity] <= least + AFFINITY_SLACK),
+                     key=lambda w: (w.prefixes.matched(blocks), -load[w.identity]))
+        worker.prefixes.add(blocks)
         state.worker = worker.identity
-        self._send(worker.identity, state.add_request(), state.buffers)
+        self._send(worker.identity, message, state.buffers)
+        return worker
 
     def _send(self, identity: bytes, message: ToWorker, buffers: Sequence[Any] = ()) -> None:
         if not self.transport.send(identity, message, buffers):
@@ -333,7 +353,7 @@ class WorkerLink:
             if state is None:
                 del self._resume_by[request_id]
                 continue
-            w = self._least_loaded(state.model_digest)
+            w = self._dispatch(state)
             if w is None:
                 other = self._least_loaded()
                 if other is not None:  # replicas serve one model: the weights it needs are gone
@@ -342,7 +362,6 @@ class WorkerLink:
                                           f"({other.hello.model}); this request cannot continue on them")
                 continue
             del self._resume_by[request_id]
-            self._dispatch(state, w)
             resumed[w.hello.pid] += 1
         for pid, count in resumed.items():
             self.stats.requests_resumed += count

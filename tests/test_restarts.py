@@ -368,3 +368,27 @@ def test_a_lost_replicas_streams_resume_on_the_other(split, expected):
     health = s.gateway.health()
     assert health["worker"]["requests_resumed"] == 1
     assert [w["pid"] for w in health["workers"]] == [second.pid]
+
+
+def test_a_shared_prefix_goes_to_the_replica_that_holds_it(split):
+    s = split()
+    first, second = s.start_worker(), s.start_worker()
+    s.gateway.wait_ready()
+    wait_for(lambda: len(running_by_worker(s)) == 2, 60, "both workers ready")
+    shared = "The lighthouse keeper wrote down every ship that passed the rocks at night. " * 8
+
+    def complete(prompt: str) -> dict:
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        return s.gateway.http.post("/v1/completions", json=body).json()
+
+    reader = StreamReader(s.gateway.url, max_tokens=300)  # keeps the first worker busy ...
+    reader.start()
+    reader.wait_for_pieces(1)
+    assert complete(shared)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # ... so this goes to the second
+    reader.join(60)
+    wait_for(lambda: running_by_worker(s) == {first.pid: 0, second.pid: 0}, 5, lambda: running_by_worker(s))
+    # Both idle: balance alone would pick the first; the second holds the prefix.
+    usage = complete(shared + "Then the storm came.")["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > usage["prompt_tokens"] // 2, usage
+    hits = {w["pid"]: w["prefix_cache"]["hits"] for w in s.gateway.health()["workers"]}
+    assert hits == {first.pid: 0, second.pid: 1}, hits
