@@ -390,5 +390,7 @@ def test_a_shared_prefix_goes_to_the_replica_that_holds_it(split):
     # Both idle: balance alone would pick the first; the second holds the prefix.
     usage = complete(shared + "Then the storm came.")["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] > usage["prompt_tokens"] // 2, usage
-    hits = {w["pid"]: w["prefix_cache"]["hits"] for w in s.gateway.health()["workers"]}
-    assert hits == {first.pid: 0, second.pid: 1}, hits
+
+    def hits() -> dict[int, int]:
+        return {w["pid"]: w["prefix_cache"]["hits"] for w in s.gateway.health()["workers"]}
+    wait_for(lambda: hits() == {first.pid: 0, second.pid: 1}, 2, hits)  # as the next heartbeats say

@@ -219,42 +219,79 @@ def test_tcp_endpoint_without_curve_is_refused(tmp_path):
     assert "--curve-secret-key" in result.stderr
 
 
+class CurveGateway:
+    """A gateway on a tcp:// endpoint with CURVE, and workers with key pairs of their own."""
+
+    def __init__(self, tmp_path, model, allowed_names: list[str], names: list[str], *gateway_args: str) -> None:
+        self.keys, self.tmp_path, self.model = tmp_path / "keys", tmp_path, model
+        allowed = tmp_path / "allowed"
+        allowed.mkdir()
+        for name in ("gateway", *names):
+            subprocess.run([*MLXD, "keys", "generate", str(self.keys), "--name", name], check=True,
+                           capture_output=True)
+        for name in allowed_names:
+            (allowed / f"{name}.key").write_bytes((self.keys / f"{name}.key").read_bytes())
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.gateway = Server(["gateway", "--worker-endpoint", self.endpoint, "--served-model-name", MODEL_NAME,
+                               "--curve-secret-key", str(self.keys / "gateway.key_secret"),
+                               "--curve-authorized-keys", str(allowed), *gateway_args], tmp_path / "gateway.log")
+        self.workers: list[subprocess.Popen] = []
+
+    def worker(self, name: str) -> subprocess.Popen:
+        self.workers.append(subprocess.Popen(
+            [*MLXD, "worker", "--model", str(self.model), "--worker-endpoint", self.endpoint, "--heartbeat-s", "0.1",
+             "--curve-secret-key", str(self.keys / f"{name}.key_secret"),
+             "--curve-server-key", str(self.keys / "gateway.key")],
+            cwd=ROOT, stdout=open(self.tmp_path / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
+        ))
+        return self.workers[-1]
+
+    def close(self) -> None:
+        for worker in self.workers:
+            stop_process(worker)
+        self.gateway.stop()
+
+
 def test_curve_admits_listed_workers_only(tiny_model, tmp_path, reference):
-    keys = tmp_path / "keys"
-    allowed = tmp_path / "allowed"
-    allowed.mkdir()
-    for name in ("gateway", "good", "rogue"):
-        subprocess.run([*MLXD, "keys", "generate", str(keys), "--name", name], check=True, capture_output=True)
-    (allowed / "good.key").write_bytes((keys / "good.key").read_bytes())
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    gateway = Server(["gateway", "--worker-endpoint", endpoint, "--served-model-name", MODEL_NAME,
-                      "--curve-secret-key", str(keys / "gateway.key_secret"),
-                      "--curve-authorized-keys", str(allowed)], tmp_path / "gateway.log")
-
-    def worker(name: str) -> subprocess.Popen:
-        return subprocess.Popen(
-            [*MLXD, "worker", "--model", str(tiny_model), "--worker-endpoint", endpoint,
-             "--curve-secret-key", str(keys / f"{name}.key_secret"), "--curve-server-key", str(keys / "gateway.key")],
-            cwd=ROOT, stdout=open(tmp_path / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
-        )
-
-    rogue = worker("rogue")
+    curve = CurveGateway(tmp_path, tiny_model, ["good"], ["good", "rogue"])
     try:
-        wait_for(lambda: "not authorized" in gateway.log_path.read_text(), 30, "the rogue worker to be refused")
-        assert gateway.health()["worker"]["ready"] is False
-        good = worker("good")
-        try:
-            gateway.wait_ready()
-            assert gateway.health()["worker"]["pid"] == good.pid
-            expected = reference.greedy(reference.text_prompt("Once upon a time"), 8).text
-            response = gateway.http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Once upon a time",
-                                                                 "max_tokens": 8, "temperature": 0})
-            assert response.json()["choices"][0]["text"] == expected
-        finally:
-            stop_process(good)
+        curve.worker("rogue")
+        wait_for(lambda: "not authorized" in curve.gateway.log_path.read_text(), 30, "the rogue worker to be refused")
+        assert curve.gateway.health()["worker"]["ready"] is False
+        good = curve.worker("good")
+        curve.gateway.wait_ready()
+        assert curve.gateway.health()["worker"]["pid"] == good.pid
+        expected = reference.greedy(reference.text_prompt("Once upon a time"), 8).text
+        response = curve.gateway.http.post("/v1/completions", json={
+            "model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
+        assert response.json()["choices"][0]["text"] == expected
     finally:
-        stop_process(rogue)
-        gateway.stop()
+        curve.close()
+
+
+def test_a_tcp_replica_takes_over_a_lost_workers_stream(tiny_model, tmp_path, reference):
+    """A second worker over tcp + CURVE (as from another Mac) joins as a replica;
+    when the first is killed mid-stream, the stream goes on there, unchanged.
+    (Over tcp a dropped connection may be a blip: the worker is given up on
+    after --hung-worker-s, then its streams move.)"""
+    curve = CurveGateway(tmp_path, tiny_model, ["one", "two"], ["one", "two"], "--hung-worker-s", "1")
+    try:
+        one = curve.worker("one")
+        curve.gateway.wait_ready()
+        two = curve.worker("two")
+        wait_for(lambda: [w["ready"] for w in curve.gateway.health()["workers"]] == [True, True], 60,
+                 "the replica to join")
+        reader = StreamReader(curve.gateway.url)
+        reader.start()
+        reader.wait_for_pieces(20)
+        one.kill()
+        reader.join(120)
+        assert reader.failure is None and reader.errors == [] and reader.done
+        assert reader.text == reference.greedy(reference.text_prompt(reader.body["prompt"]), reader.body["max_tokens"],
+                                               ignore_eos=True).text
+        assert [w["pid"] for w in curve.gateway.health()["workers"]] == [two.pid]
+    finally:
+        curve.close()
 
 
 def test_request_model_never_loads_anything(server):
