@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -34,8 +35,8 @@ from protocol.worker_settings import WorkerSettings, announced_name
 log = logging.getLogger("mlxd.gateway")
 
 
-def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None = None) -> Starlette:
-    """The gateway. With worker_settings (`mlxd serve`), it also supervises a worker of its own.
+def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettings] = ()) -> Starlette:
+    """The gateway. With worker_settings (`mlxd serve`), it also supervises a worker of its own per model.
 
     Raises SystemExit, with the reason, for what makes serving impossible or
     unsafe: no API key beyond loopback, a worker endpoint in use or unsafe.
@@ -49,14 +50,23 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
         worker_wait_s=settings.worker_wait_s,
         curve_secret_key=settings.curve_secret_key,
         curve_authorized_keys=settings.curve_authorized_keys,
+        served_model_name=settings.served_model_name,
     )
     try:
         link.bind()
     except (EndpointInUse, CurveError, RuntimeError) as e:
         raise SystemExit(f"mlxd: {e}; stop that gateway first, or give this one another --worker-endpoint"
                          if isinstance(e, EndpointInUse) else f"mlxd: {e}") from None
-    supervisor = WorkerSupervisor(worker_settings, link, settings.drain_s + 5) if worker_settings else None
-    serving = Serving(link, settings, announced_name(worker_settings) if worker_settings else None)
+    supervisors = [WorkerSupervisor(ws, link, settings.drain_s + 5) for ws in worker_settings]
+
+    def kill_unhealthy(pid: int) -> None:
+        """A hung or unresponsive worker is killed (and so restarted) by the supervisor that started it."""
+        for s in supervisors:
+            s.kill(pid)
+
+    link.on_unhealthy = kill_unhealthy
+    supervisor = supervisors[0] if supervisors else None  # what /health and /metrics describe as `supervisor`
+    serving = Serving(link, settings, [announced_name(ws) for ws in worker_settings])
     api = OpenAIAPI(serving)
     anthropic = AnthropicAPI(serving)
     responses = ResponsesAPI(serving, ResponseStore(settings.responses_store_max, settings.responses_store_ttl_s))
@@ -69,6 +79,7 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
         body: dict = {"status": status, "worker": worker_status(link), "workers": workers_status(link)}
         if supervisor is not None:
             body["supervisor"] = supervisor.status()
+            body["supervisors"] = [s.status() for s in supervisors]
         return MsgspecResponse(body)
 
     async def cancel(request: Request) -> Response:
@@ -88,17 +99,16 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         await link.start()
-        if supervisor is not None:
-            supervisor.on_fatal = app.state.fail
-            await supervisor.start()
+        for s in supervisors:
+            s.on_fatal = app.state.fail
+            await s.start()
         app.state.loop = asyncio.get_running_loop()
         if settings.api_key_file:
             app.state.loop.add_signal_handler(signal.SIGHUP, reload_keys)
         try:
             yield
         finally:
-            if supervisor is not None:
-                await supervisor.stop()
+            await asyncio.gather(*(s.stop() for s in supervisors))
             await link.close()
 
     def reload_keys() -> None:
@@ -113,8 +123,8 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
         requests, keep the worker (no restarts) while open streams run for
         --drain-s, then end them with an error event."""
         serving.draining = True
-        if supervisor is not None:
-            supervisor.stop_restarting()
+        for s in supervisors:
+            s.stop_restarting()
         loop = getattr(app.state, "loop", None)
         if loop is None:
             return  # not serving yet: nothing to drain
@@ -159,7 +169,7 @@ def create_app(settings: GatewaySettings, worker_settings: WorkerSettings | None
         lifespan=lifespan,
     )
     app.state.link = link
-    app.state.supervisor = supervisor
+    app.state.supervisors = supervisors
     app.state.begin_drain = begin_drain
     app.state.stop_now = stop_now
     return app

@@ -1,6 +1,6 @@
 """The `mlxd` command.
 
-  mlxd serve [--model M]            gateway + one supervised worker, in one command
+  mlxd serve [--model M]...         gateway + a supervised worker per model, in one command
   mlxd gateway ...                  the HTTP half (as launchd runs it)
   mlxd worker [--model M] ...       the MLX half (as launchd runs it)
   mlxd import-gguf FILE OUT_DIR     write an mlx-lm model directory for a llama GGUF
@@ -24,10 +24,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+import msgspec
+
 from gateway.settings import GatewaySettings
 from protocol import PROTOCOL_VERSION
 from protocol.settings import add_arguments, parse_settings, resolve
-from protocol.worker_settings import WorkerSettings
+from protocol.worker_settings import WorkerSettings, announced_name
 
 USAGE = __doc__
 
@@ -74,17 +76,30 @@ def gateway_main(argv: list[str]) -> int:
 def serve_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="mlxd serve",
-        description="Serve a model: the gateway plus one worker it starts and stops.",
+        description="Serve models: the gateway plus a worker per model, which it starts and stops.",
         conflict_handler="resolve",
     )
     add_arguments(parser, WorkerSettings, exclude=SERVE_SETS)
     add_arguments(parser, GatewaySettings, exclude=SERVE_SETS | {"curve_authorized_keys"})
+    parser.add_argument("--model", dest="model", action="append", default=None, help=(
+        "a model to serve, as SOURCE or NAME=SOURCE (NAME: what clients ask for; default: SOURCE): an mlx-lm "
+        "model directory, a .gguf file, or a Hugging Face repo id; repeatable, each model in a worker of its own "
+        "(default: the embedded SmolLM2-135M-Instruct) [env MLXD_MODEL, comma-separated]"))
     args = parser.parse_args(argv)
     runtime = tempfile.mkdtemp(prefix="mlxd-")
     args.worker_endpoint = f"ipc://{runtime}/worker.sock"
+    models = args.model or [m.strip() for m in os.environ.get("MLXD_MODEL", "").split(",") if m.strip()] or [""]
+    args.model = None
     try:
         gateway_settings = resolve(GatewaySettings, args)
-        worker_settings = resolve(WorkerSettings, args)
+        base = resolve(WorkerSettings, args, environ={k: v for k, v in os.environ.items() if k != "MLXD_MODEL"})
+        worker_settings = [msgspec.structs.replace(base, model=model) for model in models]
+        names = [announced_name(ws) for ws in worker_settings]
+        if len(names) != len(set(names)):
+            raise ValueError(f"--model: two models have one name ({', '.join(names)}); name them as NAME=SOURCE")
+        if len(names) > 1 and gateway_settings.served_model_name:
+            raise ValueError("--served-model-name names the one model; with several, give each --model as "
+                             "NAME=SOURCE")
     except ValueError as e:
         os.rmdir(runtime)
         parser.error(str(e))

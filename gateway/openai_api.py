@@ -153,7 +153,7 @@ class OpenAIAPI:
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
-        self.serving.check_served(name, self.serving.model_names())
+        self.serving.served_name(name, self.serving.model_names())
         return MsgspecResponse(Model(id=name, created=self.serving.started))
 
     async def chat_completions(self, request: Request) -> Response:

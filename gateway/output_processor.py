@@ -89,6 +89,7 @@ class RequestState:
         self.cached_tokens = 0  # prompt tokens the worker took from its prefix cache
         # The weights it runs on (Hello.model_digest): it resumes only on the same.
         self.model_digest = ""
+        self.model_names: list[str] = []  # the names its worker serves (for resuming on the same model)
         self.queue = queue  # shared by the streams of one API request: their RequestGroup reads it
         self._tokenizer = tokenizer
         self._parser = parser

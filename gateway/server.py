@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Sequence
 
 import uvicorn
 
@@ -53,7 +54,7 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run_gateway(settings: GatewaySettings, worker_settings: WorkerSettings | None = None) -> int:
+def run_gateway(settings: GatewaySettings, worker_settings: Sequence[WorkerSettings] = ()) -> int:
     app = create_app(settings, worker_settings)
     config = uvicorn.Config(
         app,
@@ -74,10 +75,10 @@ def run_gateway(settings: GatewaySettings, worker_settings: WorkerSettings | Non
     try:
         server.run()
     finally:
-        supervisor = app.state.supervisor
-        if supervisor is not None and supervisor.process is not None and supervisor.process.returncode is None:
-            # Should the orderly stop not have run (uvicorn failed to start), do not leave the worker behind.
-            os.kill(supervisor.process.pid, signal.SIGTERM)
+        for supervisor in app.state.supervisors:
+            if supervisor.process is not None and supervisor.process.returncode is None:
+                # Should the orderly stop not have run (uvicorn failed to start), do not leave the worker behind.
+                os.kill(supervisor.process.pid, signal.SIGTERM)
     if server.failure is not None:
         print(f"mlxd: error: {server.failure}", file=sys.stderr)
         return 1

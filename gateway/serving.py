@@ -16,7 +16,7 @@ import fnmatch
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -80,11 +80,11 @@ class Renderer(Protocol):
 
 
 class Serving:
-    def __init__(self, link: WorkerLink, settings: GatewaySettings, configured_model: str | None = None) -> None:
+    def __init__(self, link: WorkerLink, settings: GatewaySettings, configured_models: Sequence[str] = ()) -> None:
         self.link = link
         self.settings = settings
         # The model name the worker `mlxd serve` starts will announce.
-        self.configured_model = configured_model
+        self.configured_models = list(configured_models)  # the models `mlxd serve` starts
         self.started = int(time.time())
         self.draining = False  # set on SIGTERM: no new requests
         self.admission = Admission(settings.max_inflight, settings.max_inflight_per_key)
@@ -119,34 +119,26 @@ class Serving:
             ) from None
         return b"".join(chunks)
 
-    async def ready_worker(self) -> WorkerState:
-        if self.draining:
-            raise unavailable("the server is shutting down")
-        try:
-            return await self.link.ready_worker(self.settings.worker_wait_s)
-        except WorkerUnavailable as e:
-            raise unavailable(str(e)) from None
-
-    def served_names(self, worker: WorkerState) -> list[str]:
-        return self.settings.served_model_name or [worker.hello.model]
-
     def model_names(self) -> list[str]:
         """The names clients may use, known without waiting for a worker: the
-        configured ones, else the current worker's or the one `mlxd serve` starts."""
-        if self.link.worker is not None:
-            return self.served_names(self.link.worker)
-        return self.settings.served_model_name or ([self.configured_model] if self.configured_model else [])
+        configured ones (--served-model-name, the models `mlxd serve` starts),
+        and those of the workers that connected."""
+        if self.settings.served_model_name:
+            return list(self.settings.served_model_name)
+        names = [*self.configured_models, *(n for w in self.link.workers.values() for n in w.names)]
+        return list(dict.fromkeys(names))
 
-    def check_served(self, model: str, names: list[str]) -> None:
-        """A 404 unless a request for `model` is served by one of `names`: it is
-        one of them, or the first --model-alias pattern it matches names one."""
+    def served_name(self, model: str, names: list[str]) -> str:
+        """The served name a request for `model` reaches: `model` itself, or the
+        name the first --model-alias pattern it matches gives; 404 if that is
+        not one of `names`."""
         if model in names:
-            return
+            return model
         for alias in self.settings.model_alias:
             pattern, _, name = alias.partition("=")
             if fnmatch.fnmatchcase(model, pattern):
                 if name in names:
-                    return
+                    return name
                 break
         raise APIError(
             404,
@@ -157,9 +149,18 @@ class Serving:
         )
 
     async def worker_for(self, model: str) -> WorkerState:
-        """A ready worker serving `model` (404 for a name this server does not serve)."""
-        worker = await self.ready_worker()
-        self.check_served(model, self.served_names(worker))
+        """A ready worker serving `model` (404 for a name this server does not
+        serve; 503 when none becomes ready within --worker-wait-s)."""
+        if self.draining:
+            raise unavailable("the server is shutting down")
+        names = self.model_names()
+        name = self.served_name(model, names) if names else None  # no names known before the first worker
+        try:
+            worker = await self.link.ready_worker(self.settings.worker_wait_s, name)
+        except WorkerUnavailable as e:
+            raise unavailable(str(e)) from None
+        if name is None:
+            self.served_name(model, worker.names)
         return worker
 
     async def tokenize(self, fn: Callable[..., T], *args: Any, param: str = "messages") -> T:

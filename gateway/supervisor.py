@@ -56,7 +56,6 @@ class WorkerSupervisor:
         self._task: asyncio.Task | None = None
         # Called with the reason when serving cannot start (the model does not load).
         self.on_fatal: Callable[[str], None] | None = None
-        link.on_unhealthy = self.kill
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="mlxd-supervisor")

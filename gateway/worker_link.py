@@ -4,12 +4,14 @@ Over the transport (gateway/transport.py), each worker's identity carries its
 epoch, so messages from a worker that has been replaced are recognised and
 ignored.
 
-Several workers of one model may connect (replicas: more processes, or other
-Macs over tcp); each request goes to the ready one that was sent the longest
+Workers of several models may connect, each serving its names: the gateway's
+--served-model-name when set (one model), else the name in its Hello. Several
+workers of one model may connect (replicas: more processes, or other Macs over
+tcp); each request goes to the ready one that was sent the longest
 prefix of its prompt (gateway/affinity.py), unless that one runs
 AFFINITY_SLACK more of this gateway's requests than the least loaded, else to
-the least loaded. A worker serving other weights replaces those there, as
-does a newcomer for a replica that has stopped answering.
+the least loaded. A worker serving other weights under the same name replaces
+those there, as does a newcomer for a replica that has stopped answering.
 
 Each worker is ready, draining, unresponsive or hung (gateway/liveness.py);
 one given up on is killed under `mlxd serve` and treated as lost.
@@ -81,6 +83,7 @@ class WorkerUnavailable(Exception):
 class WorkerState:
     identity: bytes
     hello: Hello
+    names: list[str]  # what clients ask for to reach it
     tokenizer: Tokenizer
     accepted_at: float
     vitals: Vitals
@@ -114,6 +117,7 @@ class WorkerLink:
         curve_secret_key: str | None = None,
         curve_authorized_keys: str | None = None,
         on_unhealthy: Callable[[int], None] | None = None,
+        served_model_name: Sequence[str] = (),
     ) -> None:
         self.transport = Transport(endpoint, curve_secret_key, curve_authorized_keys)
         self.worker_timeout_s = worker_timeout_s
@@ -123,12 +127,14 @@ class WorkerLink:
         # --hung-worker-s; `mlxd serve` kills it there and starts another.
         self.on_unhealthy = on_unhealthy
         self.workers: dict[bytes, WorkerState] = {}  # by identity, oldest first
+        self.served_model_name = list(served_model_name)
         # The last worker that could not load its model, until one is accepted.
         self.load_failure: LoadFailed | None = None
         self.stats = LinkStats()
         self.outputs = OutputProcessor()  # every unfinished request
         self._resume_by: dict[str, float] = {}  # request id -> deadline to get a worker
-        self._ready = asyncio.Event()
+        self._ready = asyncio.Event()  # some worker is ready
+        self._changed = asyncio.Event()  # set, and replaced, whenever a worker comes, goes or changes state
         self._tasks: list[asyncio.Task] = []
 
     def bind(self) -> None:
@@ -164,14 +170,19 @@ class WorkerLink:
     def ready(self) -> bool:
         return self._ready.is_set()
 
-    async def ready_worker(self, timeout_s: float) -> WorkerState:
-        """The ready worker a new request should go to (the least loaded)."""
+    def names_of(self, hello: Hello) -> list[str]:
+        return self.served_model_name or [hello.model]
+
+    async def ready_worker(self, timeout_s: float, model: str | None) -> WorkerState:
+        """A ready worker serving `model` (None: any), for preparing a request's
+        prompt (submit picks where it runs)."""
         if self.load_error is not None and not self.ready:
             raise WorkerUnavailable(self.load_error)
         deadline = time.monotonic() + timeout_s
-        while (worker := self._least_loaded()) is None:
+        while (worker := self._least_loaded(model)) is None:
+            changed = self._changed
             try:
-                await asyncio.wait_for(self._ready.wait(), max(0.0, deadline - time.monotonic()))
+                await asyncio.wait_for(changed.wait(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 raise WorkerUnavailable(f"no worker became ready within {timeout_s:g}s") from None
         return worker
@@ -183,7 +194,7 @@ class WorkerLink:
         digest = prepared_by.hello.model_digest
         if not any(w.ready and w.hello.model_digest == digest for w in self.workers.values()):
             raise WorkerUnavailable("the worker went away")
-        state.model_digest = digest
+        state.model_digest, state.model_names = digest, prepared_by.names
         self.outputs.add(state)
         self._dispatch(state)
 
@@ -214,9 +225,9 @@ class WorkerLink:
 
     # ---- the link itself ---------------------------------------------------
 
-    def _least_loaded(self) -> WorkerState | None:
-        """The ready worker running the fewest of our requests."""
-        ready = [w for w in self.workers.values() if w.ready]
+    def _least_loaded(self, model: str | None) -> WorkerState | None:
+        """The ready worker serving `model` (None: any) running the fewest of our requests."""
+        ready = [w for w in self.workers.values() if w.ready and (model is None or model in w.names)]
         if not ready:
             return None
         load = Counter(state.worker for state in self.outputs)
@@ -322,7 +333,10 @@ class WorkerLink:
                 log.exception("refused a worker (pid %d): its tokenizer files cannot be loaded", hello.pid)
                 self._send(identity, Refused(f"the gateway cannot load this model's tokenizer: {e}"))
                 return
+        names = self.names_of(hello)
         for old in list(self.workers.values()):
+            if not set(old.names) & set(names):
+                continue  # another model's
             if old.hello.model_digest != hello.model_digest or not old.ready:
                 why = "serving other weights" if old.hello.model_digest != hello.model_digest else "not answering"
                 self._lose_worker(old, f"replaced by a newer worker (pid {hello.pid}); it was {why}", set())
@@ -333,12 +347,12 @@ class WorkerLink:
         self.stats.workers_accepted += 1
         vitals = Vitals(self.worker_timeout_s, self.hung_worker_s, last_beat=now, last_progress=now)
         self.workers[identity] = WorkerState(
-            identity, hello, tokenizer, accepted_at=now, vitals=vitals,
+            identity, hello, names, tokenizer, accepted_at=now, vitals=vitals,
             sampling=sampling_defaults(hello.tokenizer_files), tool_format=load_tool_format(hello.tool_parser),
             reasoning_markers=(hello.reasoning_markers[0], hello.reasoning_markers[1])
             if len(hello.reasoning_markers) == 2 else tokenizer.reasoning_markers)
         self._send(identity, Welcome(hello.epoch))
-        self._ready.set()
+        self._update_ready()
         log.info(
             "worker ready: pid %d, epoch %d, model %s, context %d, capacity %d",
             hello.pid, hello.epoch, hello.model, hello.context_length, hello.capacity,
@@ -355,8 +369,9 @@ class WorkerLink:
                 continue
             w = self._dispatch(state)
             if w is None:
-                other = self._least_loaded()
-                if other is not None:  # replicas serve one model: the weights it needs are gone
+                other = next((o for o in self.workers.values()
+                              if o.ready and set(o.names) & set(state.model_names)), None)
+                if other is not None:  # its model's name is served by other weights now
                     del self._resume_by[request_id]
                     self._fail_after_loss(request_id, f"the worker came back serving other weights "
                                           f"({other.hello.model}); this request cannot continue on them")
@@ -380,7 +395,8 @@ class WorkerLink:
             level = logging.WARNING if verdict.state in UNHEALTHY else logging.INFO
             log.log(level, "worker pid %d: %s -> %s", w.hello.pid, verdict.previous.value, verdict.state.value)
         was_ready, w.ready = w.ready, verdict.state == Liveness.READY
-        self._update_ready()
+        if w.ready != was_ready:
+            self._update_ready()
         if w.ready and not was_ready:
             self._resume_waiting()
         if verdict.kill and verdict.state == Liveness.HUNG:
@@ -397,6 +413,8 @@ class WorkerLink:
             self._ready.set()
         else:
             self._ready.clear()
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def _on_disconnect(self, identity: bytes) -> None:
         """A peer's connection closed. Over ipc the worker process is gone (a

@@ -18,8 +18,9 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     model: Annotated[
         str,
         Meta(
-            description="model to serve: an mlx-lm model directory, a .gguf file, or a Hugging Face "
-            "repo id (default: the embedded SmolLM2-135M-Instruct)"
+            description="model to serve, as SOURCE or NAME=SOURCE (NAME: what clients ask for; default: "
+            "SOURCE): an mlx-lm model directory, a .gguf file, or a Hugging Face repo id (default: the "
+            "embedded SmolLM2-135M-Instruct)"
         ),
     ] = ""
     worker_endpoint: Annotated[
@@ -59,6 +60,21 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     log_level: Annotated[str, Meta(description="debug, info, warning or error")] = "info"
 
 
+def split_model(value: str) -> tuple[str, str]:
+    """A --model value as (NAME, SOURCE): `NAME=SOURCE`, or a bare SOURCE with no
+    name of its own ("") — a NAME holds no `/`, so a path or repo id with `=` stays whole."""
+    name, equals, source = value.partition("=")
+    if equals and name and "/" not in name:
+        return name, source
+    return "", value
+
+
+def model_source(settings: WorkerSettings) -> str:
+    """What the worker loads ("" for the embedded default)."""
+    return split_model(settings.model)[1]
+
+
 def announced_name(settings: WorkerSettings) -> str:
     """The model name a worker with these settings announces in its Hello."""
-    return settings.model or DEFAULT_MODEL_NAME
+    name, source = split_model(settings.model)
+    return name or source or DEFAULT_MODEL_NAME

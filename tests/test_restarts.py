@@ -381,16 +381,18 @@ def test_a_shared_prefix_goes_to_the_replica_that_holds_it(split):
         body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0}
         return s.gateway.http.post("/v1/completions", json=body).json()
 
-    reader = StreamReader(s.gateway.url, max_tokens=300)  # keeps the first worker busy ...
+    oldest = s.gateway.health()["workers"][0]["pid"]  # the one balance picks between idle workers
+    other = second.pid if oldest == first.pid else first.pid
+    reader = StreamReader(s.gateway.url, max_tokens=300)  # keeps the oldest busy ...
     reader.start()
     reader.wait_for_pieces(1)
-    assert complete(shared)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # ... so this goes to the second
+    assert complete(shared)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # ... so this goes to the other
     reader.join(60)
     wait_for(lambda: running_by_worker(s) == {first.pid: 0, second.pid: 0}, 5, lambda: running_by_worker(s))
-    # Both idle: balance alone would pick the first; the second holds the prefix.
+    # Both idle: balance alone would pick the oldest; the other holds the prefix.
     usage = complete(shared + "Then the storm came.")["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] > usage["prompt_tokens"] // 2, usage
 
     def hits() -> dict[int, int]:
         return {w["pid"]: w["prefix_cache"]["hits"] for w in s.gateway.health()["workers"]}
-    wait_for(lambda: hits() == {first.pid: 0, second.pid: 1}, 2, hits)  # as the next heartbeats say
+    wait_for(lambda: hits() == {oldest: 0, other: 1}, 2, hits)  # as the next heartbeats say

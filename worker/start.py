@@ -12,7 +12,7 @@ import time
 import zmq
 
 from protocol import EXIT_LOAD_FAILED, PROTOCOL_VERSION, Hello, LoadFailed, encode
-from protocol.worker_settings import WorkerSettings
+from protocol.worker_settings import WorkerSettings, model_source, split_model
 from worker.audit import AffinityAudit
 from worker.engine import Engine
 from worker.grammar import Grammars
@@ -52,7 +52,7 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         log.info("affinity audit on: every MLX evaluation's thread is recorded")
     started = time.monotonic()
     try:
-        loaded = load_model(settings.model, settings.context_length, settings.cpu_dequantize)
+        loaded = load_model(model_source(settings), settings.context_length, settings.cpu_dequantize)
     except (ModelNotFound, OSError, ValueError) as e:  # GGUFError is a ValueError
         return load_failed(settings, str(e))
     except Exception as e:  # an unexpected failure in a loader: the reason still reaches the operator
@@ -78,7 +78,7 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         protocol_version=PROTOCOL_VERSION,
         epoch=time.time_ns(),
         pid=os.getpid(),
-        model=loaded.name,
+        model=split_model(settings.model)[0] or loaded.name,
         context_length=loaded.context_length,
         vocab_size=loaded.vocab_size,
         capacity=settings.max_batch,
