@@ -7,6 +7,7 @@
   mlxd prepare-model [--model M]    download/import a model into the cache
   mlxd launchd install|uninstall|status|restart-worker   run as launchd jobs on a Mac
   mlxd keys generate DIR --name N   a CURVE key pair, for a worker on another Mac (tcp://)
+  mlxd ps [--url U] [--api-key K]   the workers of a running mlxd: model, pid, state, load
   mlxd --version                    mlxd's version, its protocol's, and the MLX packages'
 
 --model takes an mlx-lm directory, a .gguf file or a Hugging Face repo id; with
@@ -17,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import logging
 import os
 import shutil
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 import msgspec
@@ -112,6 +115,34 @@ def serve_main(argv: list[str]) -> int:
         shutil.rmtree(runtime, ignore_errors=True)
 
 
+def ps_main(argv: list[str]) -> int:
+    """The workers a running gateway has, one line each (its /health, which needs a key when keys are set)."""
+    parser = argparse.ArgumentParser(prog="mlxd ps", description="List the workers of a running mlxd.")
+    parser.add_argument("--url", default=f"http://127.0.0.1:{os.environ.get('MLXD_PORT', '8000')}",
+                        help="the gateway's address (default: http://127.0.0.1:$MLXD_PORT, or port 8000)")
+    parser.add_argument("--api-key", default=os.environ.get("MLXD_API_KEYS", "").split(",")[0].strip() or None,
+                        help="an API key, when the gateway has keys [env MLXD_API_KEYS: its first]")
+    args = parser.parse_args(argv)
+    request = urllib.request.Request(args.url.rstrip("/") + "/health", headers={
+        "Authorization": f"Bearer {args.api_key}"} if args.api_key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            health = json.load(response)
+    except (OSError, ValueError) as e:
+        print(f"mlxd ps: cannot read {args.url}/health: {e}", file=sys.stderr)
+        return 1
+    if "workers" not in health:
+        print("mlxd ps: the gateway shows its workers only with an API key (--api-key)", file=sys.stderr)
+        return 1
+    rows = [("MODEL", "PID", "STATE", "RUNNING", "WAITING", "STEPS", "CONTEXT", "UP")]
+    rows += [(w["model"], str(w["pid"]), w["state"], str(w["running"]), str(w["waiting"]), str(w["steps"]),
+              str(w["context_length"]), f"{w['up_s']:.0f}s") for w in health["workers"]]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return 0
+
+
 def keys_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="mlxd keys",
@@ -147,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(rest)
     if command == "keys":
         return keys_main(rest)
+    if command == "ps":
+        return ps_main(rest)
     if command == "launchd":
         from gateway.launchd import main as launchd_main
 

@@ -148,13 +148,15 @@ class OpenAIAPI:
         self.serving = serving
 
     async def models(self, _request: Request) -> Response:
-        body = ModelList([Model(id=name, created=self.serving.started) for name in self.serving.model_names()])
+        serving = self.serving
+        body = ModelList([Model(id=name, created=serving.started, status=serving.model_status(name))
+                          for name in serving.model_names()])
         return MsgspecResponse(body)
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
-        self.serving.served_name(name, self.serving.model_names())
-        return MsgspecResponse(Model(id=name, created=self.serving.started))
+        served = self.serving.served_name(name, self.serving.model_names())
+        return MsgspecResponse(Model(id=name, created=self.serving.started, status=self.serving.model_status(served)))
 
     async def chat_completions(self, request: Request) -> Response:
         body = decode_body(await self.serving.read_body(request), ChatCompletionRequest)

@@ -295,6 +295,7 @@ class Model(msgspec.Struct):
     created: int
     owned_by: str = "mlxd"
     object: str = "model"
+    status: str = "loaded"  # mlxd's: "loaded" (a worker serving it is ready) or "loading"
 
 
 class ModelList(msgspec.Struct):

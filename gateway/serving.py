@@ -128,6 +128,10 @@ class Serving:
         names = [*self.configured_models, *(n for w in self.link.workers.values() for n in w.names)]
         return list(dict.fromkeys(names))
 
+    def model_status(self, name: str) -> str:
+        """"loaded" while a ready worker serves the name, else "loading" (starting or restarting)."""
+        return "loaded" if any(w.ready and name in w.names for w in self.link.workers.values()) else "loading"
+
     def served_name(self, model: str, names: list[str]) -> str:
         """The served name a request for `model` reaches: `model` itself, or the
         name the first --model-alias pattern it matches gives; 404 if that is

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
 import pytest
 
-from tests.conftest import running, wait_for
+from tests.conftest import MLXD, ROOT, running, wait_for
 from tests.reference import Reference
 from tests.test_restarts import StreamReader
 from tests.tiny_model import make_tiny_model
@@ -48,7 +49,8 @@ def test_each_name_reaches_its_own_model(pool, models):
         assert answer["model"] == name and answer["choices"][0]["text"] == expected.text
         texts[name] = expected.text
     assert len(set(texts.values())) == len(NAMES)  # the models differ, so the routing is seen
-    assert [m["id"] for m in pool.http.get("/v1/models").json()["data"]] == NAMES
+    listed = pool.http.get("/v1/models").json()["data"]
+    assert [(m["id"], m["status"]) for m in listed] == [(name, "loaded") for name in NAMES]
     assert sorted(w["model"] for w in pool.health()["workers"]) == NAMES
 
 
@@ -77,3 +79,13 @@ def test_killing_one_models_worker_leaves_another_models_stream_alone(pool, mode
                          for w in pool.health()["workers"]), 60, "alpha's new worker")
     alpha_ref = Reference(models["alpha"])
     assert complete(pool, "alpha")["choices"][0]["text"] == alpha_ref.greedy(alpha_ref.text_prompt(PROMPT), 8).text
+
+
+def test_mlxd_ps_lists_each_models_worker(pool):
+    result = subprocess.run([*MLXD, "ps", "--url", pool.url], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    header, *rows = result.stdout.splitlines()
+    assert header.split()[:3] == ["MODEL", "PID", "STATE"]
+    workers = {w["model"]: w["pid"] for w in pool.health()["workers"]}
+    assert sorted((row.split()[0], int(row.split()[1]), row.split()[2]) for row in rows) == [
+        (name, workers[name], "ready") for name in NAMES]

@@ -13,7 +13,7 @@ import os
 import sys
 
 from protocol.settings import parse_settings
-from protocol.worker_settings import WorkerSettings
+from protocol.worker_settings import WorkerSettings, split_model
 
 
 def _start(log_level: str = "info") -> str:
@@ -80,7 +80,7 @@ def prepare_main(argv: list[str]) -> int:
     from worker.model_source import ModelNotFound, resolve_model
 
     try:
-        print(resolve_model(args.model)[0])
+        print(resolve_model(split_model(args.model)[1])[0])
     except (ModelNotFound, GGUFError, OSError) as e:
         return _fail(str(e))
     return 0
