@@ -332,39 +332,45 @@ def running_by_worker(s: Split) -> dict[int, int]:
     return {w["pid"]: w["running"] for w in s.gateway.health()["workers"] if w["ready"]}
 
 
-def test_replicas_of_one_model_share_the_streams(split, expected):
-    """Two workers on one endpoint: each takes requests, and every answer is the model's."""
-    s = split()
+def two_replicas(s: Split) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """Two workers of the model on the gateway's endpoint, both ready."""
     first, second = s.start_worker(), s.start_worker()
     s.gateway.wait_ready()
     wait_for(lambda: len(running_by_worker(s)) == 2, 60, "both workers ready")
-    readers = [StreamReader(s.gateway.url) for _ in range(4)]
+    return first, second
+
+
+def streams_on_both(s: Split, replicas: tuple[subprocess.Popen, ...], each: int, pieces: int) -> list[StreamReader]:
+    """`each` long streams running on every replica: the least loaded takes
+    each next one (the workers' heartbeats say so within moments)."""
+    readers = [StreamReader(s.gateway.url) for _ in range(each * len(replicas))]
     for reader in readers:
         reader.start()
-        reader.wait_for_pieces(1)
-    # The least loaded takes the next (the workers' heartbeats say so within moments).
-    wait_for(lambda: running_by_worker(s) == {first.pid: 2, second.pid: 2}, 2, lambda: running_by_worker(s))
+        reader.wait_for_pieces(pieces)
+    wait_for(lambda: running_by_worker(s) == {r.pid: each for r in replicas}, 2, lambda: running_by_worker(s))
+    return readers
+
+
+def assert_read_whole(readers: list[StreamReader], expected: str) -> None:
     for reader in readers:
         reader.join(120)
         assert reader.failure is None and reader.errors == [] and reader.done
         assert reader.text == expected
 
 
+def test_replicas_of_one_model_share_the_streams(split, expected):
+    """Two workers on one endpoint: each takes requests, and every answer is the model's."""
+    s = split()
+    replicas = two_replicas(s)
+    assert_read_whole(streams_on_both(s, replicas, each=2, pieces=1), expected)
+
+
 def test_a_lost_replicas_streams_resume_on_the_other(split, expected):
     s = split("--worker-wait-s", "30")
-    first, second = s.start_worker(), s.start_worker()
-    s.gateway.wait_ready()
-    wait_for(lambda: len(running_by_worker(s)) == 2, 60, "both workers ready")
-    readers = [StreamReader(s.gateway.url) for _ in range(2)]
-    for reader in readers:
-        reader.start()
-        reader.wait_for_pieces(20)
-    wait_for(lambda: running_by_worker(s) == {first.pid: 1, second.pid: 1}, 2, lambda: running_by_worker(s))
+    first, second = replicas = two_replicas(s)
+    readers = streams_on_both(s, replicas, each=1, pieces=20)
     first.kill()
-    for reader in readers:
-        reader.join(120)
-        assert reader.failure is None and reader.errors == [] and reader.done
-        assert reader.text == expected  # the lost one's stream went on, on the other worker
+    assert_read_whole(readers, expected)  # the lost one's stream went on, on the other worker
     health = s.gateway.health()
     assert health["worker"]["requests_resumed"] == 1
     assert [w["pid"] for w in health["workers"]] == [second.pid]
@@ -372,9 +378,7 @@ def test_a_lost_replicas_streams_resume_on_the_other(split, expected):
 
 def test_a_shared_prefix_goes_to_the_replica_that_holds_it(split):
     s = split()
-    first, second = s.start_worker(), s.start_worker()
-    s.gateway.wait_ready()
-    wait_for(lambda: len(running_by_worker(s)) == 2, 60, "both workers ready")
+    first, second = two_replicas(s)
     shared = "The lighthouse keeper wrote down every ship that passed the rocks at night. " * 8
 
     def complete(prompt: str) -> dict:
