@@ -170,8 +170,6 @@ class WorkerLink:
     def ready(self) -> bool:
         return self._ready.is_set()
 
-    def names_of(self, hello: Hello) -> list[str]:
-        return self.served_model_name or [hello.model]
 
     async def ready_worker(self, timeout_s: float, model: str | None) -> WorkerState:
         """A ready worker serving `model` (None: any), for preparing a request's
@@ -224,6 +222,9 @@ class WorkerLink:
         return len(self._resume_by)
 
     # ---- the link itself ---------------------------------------------------
+
+    def _names_of(self, hello: Hello) -> list[str]:
+        return self.served_model_name or [hello.model]
 
     def _least_loaded(self, model: str | None) -> WorkerState | None:
         """The ready worker serving `model` (None: any) running the fewest of our requests."""
@@ -333,7 +334,7 @@ class WorkerLink:
                 log.exception("refused a worker (pid %d): its tokenizer files cannot be loaded", hello.pid)
                 self._send(identity, Refused(f"the gateway cannot load this model's tokenizer: {e}"))
                 return
-        names = self.names_of(hello)
+        names = self._names_of(hello)
         for old in list(self.workers.values()):
             if not set(old.names) & set(names):
                 continue  # another model's
