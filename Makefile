@@ -81,6 +81,7 @@ bench: install-test model
 	$(PY) -m tests.bench.gateway_memory
 	$(PY) -m tests.bench.vision_mix
 	$(PY) -m tests.bench.detokenize
+	$(PY) -m tests.bench.replicas
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache tests/agents/node_modules
