@@ -4,8 +4,9 @@ A worker that exits is restarted after a backoff that doubles from 0.5 s up
 to 30 s (and starts over once a worker has stayed up a minute). Five exits
 within a minute is a crash loop: reported in /health and the log, and retried
 at the slowest pace rather than spun. A worker the link reports hung is killed,
-and so restarted. A first worker that cannot load its model ends `mlxd serve`
-with the reason (on_fatal): retrying would only fail the same way.
+and so restarted. A supervisor's first worker that cannot load its model ends
+`mlxd serve` with the reason (on_fatal): retrying would only fail the same way.
+With several models, any one that cannot load at start ends it.
 
 The worker runs in a process group of its own, so a Ctrl-C in the terminal
 reaches the gateway alone, which lets open streams finish, then stops the worker.
@@ -24,7 +25,7 @@ from collections.abc import Callable
 import msgspec
 
 from gateway.worker_link import WorkerLink
-from protocol import EXIT_LOAD_FAILED
+from protocol import EXIT_LOAD_FAILED, LoadFailed
 from protocol.settings import to_arguments
 from protocol.worker_settings import WorkerSettings
 
@@ -44,6 +45,7 @@ class WorkerSupervisor:
         # The worker is its own program (`python -m worker`): the gateway
         # never imports it, and MLX never enters this process.
         settings = msgspec.structs.replace(settings, parent_pid=os.getpid())
+        self.model = settings.model  # as its worker names it in a LoadFailed
         self.argv = [sys.executable, "-m", "worker", *to_arguments(settings)]
         self.link = link
         self.stop_timeout_s = stop_timeout_s
@@ -81,7 +83,7 @@ class WorkerSupervisor:
             self.link.worker_process_exited(self.process.pid, status)
             if self._stopping:
                 return
-            if status == EXIT_LOAD_FAILED and self.link.stats.workers_accepted == 0:
+            if status == EXIT_LOAD_FAILED and self.restarts == 0:
                 await self._fail_to_start()
                 return
             now = time.monotonic()
@@ -105,11 +107,15 @@ class WorkerSupervisor:
             backoff = min(backoff * 2, MAX_BACKOFF_S)
 
     async def _fail_to_start(self) -> None:
+        def failure() -> LoadFailed | None:
+            last = self.link.load_failure
+            return last if last is not None and last.model == self.model else None
+
         deadline = time.monotonic() + LOAD_FAILED_WAIT_S
-        while self.link.load_failure is None and time.monotonic() < deadline:
+        while failure() is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        failure = self.link.load_failure
-        reason = failure.reason if failure is not None else "the worker could not load its model (see its log above)"
+        found = failure()
+        reason = found.reason if found is not None else "the worker could not load its model (see its log above)"
         self.last_exit_status = EXIT_LOAD_FAILED
         if self.on_fatal is not None:
             self.on_fatal(f"cannot load the model: {reason}")

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import MLXD, ROOT, running, wait_for
+from tests.conftest import MLXD, ROOT, free_port, running, wait_for
 from tests.reference import Reference
 from tests.test_restarts import StreamReader
 from tests.tiny_model import make_tiny_model
@@ -89,3 +89,13 @@ def test_mlxd_ps_lists_each_models_worker(pool):
     workers = {w["model"]: w["pid"] for w in pool.health()["workers"]}
     assert sorted((row.split()[0], int(row.split()[1]), row.split()[2]) for row in rows) == [
         (name, workers[name], "ready") for name in NAMES]
+
+
+def test_serve_ends_when_one_of_its_models_cannot_load(models, tmp_path):
+    """Whichever model's worker reports first: a model that cannot load at start ends `mlxd serve`."""
+    result = subprocess.run([*MLXD, "serve", "--model", f"alpha={models['alpha']}", "--model",
+                             f"broken={tmp_path / 'nope'}", "--port", str(free_port())],
+                            capture_output=True, text=True, timeout=90, cwd=ROOT)
+    assert result.returncode == 1, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("mlxd: error: cannot load the model:") and "nope" in last, last
