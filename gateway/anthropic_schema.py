@@ -72,8 +72,11 @@ class RedactedThinkingBlock(msgspec.Struct, tag_field="type", tag="redacted_thin
 Block = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
 
 
+Effort = Literal["low", "medium", "high", "xhigh", "max"]
+
+
 class SystemOutputConfig(msgspec.Struct, forbid_unknown_fields=True):
-    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    effort: Effort | None = None
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True):
@@ -148,7 +151,7 @@ class JSONOutputFormat(msgspec.Struct, tag_field="type", tag="json_schema", forb
 
 
 class OutputConfig(msgspec.Struct, forbid_unknown_fields=True):
-    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    effort: Effort | None = None
     format: JSONOutputFormat | None = None
 
 

@@ -83,8 +83,7 @@ class Serving:
     def __init__(self, link: WorkerLink, settings: GatewaySettings, configured_models: Sequence[str] = ()) -> None:
         self.link = link
         self.settings = settings
-        # The model name the worker `mlxd serve` starts will announce.
-        self.configured_models = list(configured_models)  # the models `mlxd serve` starts
+        self.configured_models = list(configured_models)  # the names of the models `mlxd serve` starts
         self.started = int(time.time())
         self.draining = False  # set on SIGTERM: no new requests
         self.admission = Admission(settings.max_inflight, settings.max_inflight_per_key)
