@@ -42,6 +42,7 @@ from gateway.plan import (
     Plan,
     SamplingParams,
     function_tool,
+    keep_alive_seconds,
     nonempty_stops,
     reasoning_switches,
     template_message,
@@ -127,6 +128,7 @@ def messages_plan(body: MessagesRequest) -> Plan:
         or not choice.disable_parallel_tool_use,
         json_output=output_format is not None,
         json_schema=output_format.schema if output_format is not None else None,
+        keep_alive_s=keep_alive_seconds(body.keep_alive),
     )
 
 
@@ -142,8 +144,11 @@ class AnthropicAPI:
     async def count_tokens(self, request: Request) -> Response:
         body = decode_body(await self.serving.read_body(request), CountTokensRequest)
         plan = Plan(model=body.model, prompt=chat_input(body), sampling=SamplingParams(), stops=[], tools=tools(body))
-        worker = await self.serving.worker_for(body.model)
-        prompt = await self.serving.prompt(worker, plan)
+        lease, worker = await self.serving.lease(body.model, keep_alive_seconds(body.keep_alive))
+        try:
+            prompt = await self.serving.prompt(worker, plan)
+        finally:
+            lease.release()
         return MsgspecResponse({"input_tokens": len(prompt.token_ids)})
 
     async def messages(self, request: Request) -> Response:

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from gateway.openai_schema import MAX_INT
+from gateway.openai_schema import MAX_INT, KeepAlive
 
 # What the current SDK (anthropic 2.12, beta types included) defines is
 # accepted: honoured where mlxd can, otherwise ignored, and each ignored field
@@ -21,6 +21,8 @@ CacheControl = dict[str, Any]
 class TextBlock(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
     text: str
     cache_control: CacheControl | None = None
+    # Extension (Ollama's): how long the model stays loaded once idle.
+    keep_alive: KeepAlive = None
     citations: list[Any] | None = None
 
 
@@ -36,6 +38,8 @@ class URLSource(msgspec.Struct, tag_field="type", tag="url", forbid_unknown_fiel
 class ImageBlock(msgspec.Struct, tag_field="type", tag="image", forbid_unknown_fields=True):
     source: Base64Source | URLSource
     cache_control: CacheControl | None = None
+    # Extension (Ollama's): how long the model stays loaded once idle.
+    keep_alive: KeepAlive = None
 
 
 class ToolUseBlock(msgspec.Struct, tag_field="type", tag="tool_use", forbid_unknown_fields=True):
@@ -43,6 +47,8 @@ class ToolUseBlock(msgspec.Struct, tag_field="type", tag="tool_use", forbid_unkn
     name: str
     input: dict[str, Any]
     cache_control: CacheControl | None = None
+    # Extension (Ollama's): how long the model stays loaded once idle.
+    keep_alive: KeepAlive = None
     caller: dict[str, Any] | None = None  # ignored: which tool runner made the call
     toolset_name: str | None = None  # ignored
 
@@ -52,6 +58,8 @@ class ToolResultBlock(msgspec.Struct, tag_field="type", tag="tool_result", forbi
     content: str | list[TextBlock | ImageBlock] | None = None
     is_error: bool = False
     cache_control: CacheControl | None = None
+    # Extension (Ollama's): how long the model stays loaded once idle.
+    keep_alive: KeepAlive = None
 
     def text(self) -> str:
         """The result's text; its images are not passed to the model."""
@@ -96,6 +104,8 @@ class Tool(msgspec.Struct, forbid_unknown_fields=True):
     description: str | None = None
     type: Literal["custom"] | None = None
     cache_control: CacheControl | None = None
+    # Extension (Ollama's): how long the model stays loaded once idle.
+    keep_alive: KeepAlive = None
     # Ignored: the model sees every tool up front, and calls are checked only
     # as the grammar of a forced tool choice checks them.
     defer_loading: bool | None = None
@@ -170,6 +180,8 @@ class Conversation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     cache_control: CacheControl | None = None
+    # Extension (Ollama's): how long the model stays loaded once idle.
+    keep_alive: KeepAlive = None
     # Earlier thinking is never rendered into the prompt, so a clear_thinking
     # edit is what mlxd always does; other edits are ignored.
     context_management: dict[str, Any] | None = None

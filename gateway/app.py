@@ -16,27 +16,32 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway.admin_api import AdminAPI
 from gateway.anthropic_api import AnthropicAPI
 from gateway.curve import CurveError
 from gateway.errors import APIError, api_error_handler, http_error_handler, internal_error_handler
 from gateway.health import worker_status, workers_status
+from gateway.ledger import default_memory_budget
 from gateway.metrics import RequestCounter
 from gateway.openai_api import OpenAIAPI
 from gateway.openai_responses import ResponsesAPI, ResponseStore
+from gateway.pool import ModelPool, NoRoom
 from gateway.responses import MsgspecResponse
 from gateway.security import Guard, KeyRing, check_bind_policy, keys_required
 from gateway.serving import Serving
-from gateway.settings import GatewaySettings
-from gateway.supervisor import WorkerSupervisor
+from gateway.settings import GatewaySettings, PoolSettings
 from gateway.transport import EndpointInUse
+from gateway.units import parse_duration, parse_size
 from gateway.worker_link import WorkerLink
-from protocol.worker_settings import WorkerSettings, announced_name
+from protocol.worker_settings import WorkerSettings
 
 log = logging.getLogger("mlxd.gateway")
 
 
-def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettings] = ()) -> Starlette:
-    """The gateway. With worker_settings (`mlxd serve`), it also supervises a worker of its own per model.
+def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettings] = (),
+               pool_settings: PoolSettings | None = None) -> Starlette:
+    """The gateway. With worker_settings (`mlxd serve`), it also runs a pool of
+    workers of its own, a model each (gateway/pool.py).
 
     Raises SystemExit, with the reason, for what makes serving impossible or
     unsafe: no API key beyond loopback, a worker endpoint in use or unsafe.
@@ -57,7 +62,20 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
     except (EndpointInUse, CurveError, RuntimeError) as e:
         raise SystemExit(f"mlxd: {e}; stop that gateway first, or give this one another --worker-endpoint"
                          if isinstance(e, EndpointInUse) else f"mlxd: {e}") from None
-    supervisors = [WorkerSupervisor(ws, link, settings.drain_s + 5) for ws in worker_settings]
+    pool_settings = pool_settings or PoolSettings()
+    try:
+        pool = ModelPool(
+            link, worker_settings,
+            budget=parse_size(pool_settings.memory_budget) if pool_settings.memory_budget else default_memory_budget(),
+            max_loaded=pool_settings.max_loaded_models,
+            keep_alive_s=parse_duration(pool_settings.keep_alive),
+            pinned=pool_settings.pin,
+            preload=pool_settings.preload,
+            stop_timeout_s=settings.drain_s + 5,
+        )
+    except ValueError as e:
+        raise SystemExit(f"mlxd: {e}") from None
+    supervisors = pool.supervisors
 
     def kill_unhealthy(pid: int) -> None:
         """A hung or unresponsive worker is killed (and so restarted) by the supervisor that started it."""
@@ -66,9 +84,10 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
 
     link.on_unhealthy = kill_unhealthy
     supervisor = supervisors[0] if supervisors else None  # what /health and /metrics describe as `supervisor`
-    serving = Serving(link, settings, [announced_name(ws) for ws in worker_settings])
+    serving = Serving(link, settings, pool)
     api = OpenAIAPI(serving)
     anthropic = AnthropicAPI(serving)
+    admin = AdminAPI(serving)
     responses = ResponsesAPI(serving, ResponseStore(settings.responses_store_max, settings.responses_store_ttl_s))
 
     async def health(request: Request) -> Response:
@@ -76,10 +95,12 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
         if not request.scope["state"]["authenticated"]:
             # Open to all, so that probes need no key; details only with one.
             return MsgspecResponse({"status": status, "worker": {"ready": link.ready}})
-        body: dict = {"status": status, "worker": worker_status(link), "workers": workers_status(link)}
+        local = {s.process.pid for s in supervisors if s.process is not None}
+        body: dict = {"status": status, "worker": worker_status(link), "workers": workers_status(link, local)}
         if supervisor is not None:
             body["supervisor"] = supervisor.status()
             body["supervisors"] = [s.status() for s in supervisors]
+            body["pool"] = pool.ledger()
         return MsgspecResponse(body)
 
     async def cancel(request: Request) -> Response:
@@ -88,27 +109,30 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
         return MsgspecResponse({"id": request_id, "cancelled": True})
 
     async def metrics(_request: Request) -> Response:  # behind the keys (security.Guard)
-        text = serving.metrics.render(worker_status(link), supervisor.status() if supervisor else None)
+        text = serving.metrics.render(worker_status(link), supervisor.status() if supervisor else None,
+                                      pool.ledger() if pool.models else None)
         return Response(text, media_type="text/plain; version=0.0.4")
 
     async def ready(_request: Request) -> Response:
-        if link.ready and not serving.draining:
+        if (pool.ready if pool.models else link.ready) and not serving.draining:
             return MsgspecResponse({"ready": True})
         return MsgspecResponse({"ready": False, "worker": worker_status(link)["state"]}, 503, {"Retry-After": "1"})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         await link.start()
-        for s in supervisors:
-            s.on_fatal = app.state.fail
-            await s.start()
+        pool.on_fatal = app.state.fail
+        try:
+            await pool.start()
+        except NoRoom as e:
+            app.state.fail(str(e))
         app.state.loop = asyncio.get_running_loop()
         if settings.api_key_file:
             app.state.loop.add_signal_handler(signal.SIGHUP, reload_keys)
         try:
             yield
         finally:
-            await asyncio.gather(*(s.stop() for s in supervisors))
+            await pool.stop()
             await link.close()
 
     def reload_keys() -> None:
@@ -123,8 +147,7 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
         requests, keep the worker (no restarts) while open streams run for
         --drain-s, then end them with an error event."""
         serving.draining = True
-        for s in supervisors:
-            s.stop_restarting()
+        pool.stop_restarting()
         loop = getattr(app.state, "loop", None)
         if loop is None:
             return  # not serving yet: nothing to drain
@@ -152,6 +175,8 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
             Route("/v1/messages", anthropic.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
             Route("/v1/requests/{request_id}/cancel", cancel, methods=["POST"]),
+            Route("/admin/models/{model:path}/load", admin.load, methods=["POST"]),
+            Route("/admin/models/{model:path}/unload", admin.unload, methods=["POST"]),
         ],
         exception_handlers={
             APIError: api_error_handler,

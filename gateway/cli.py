@@ -29,7 +29,7 @@ from pathlib import Path
 
 import msgspec
 
-from gateway.settings import GatewaySettings
+from gateway.settings import GatewaySettings, PoolSettings
 from protocol import PROTOCOL_VERSION
 from protocol.settings import add_arguments, parse_settings, resolve
 from protocol.worker_settings import WorkerSettings, announced_name
@@ -44,7 +44,9 @@ USAGE = __doc__
 WORKER_COMMANDS = {"worker": [], "import-gguf": ["import-gguf"], "prepare-model": ["prepare-model"]}
 # Worker settings that `mlxd serve` sets itself: its worker talks to this
 # gateway alone, through a socket in a fresh private (0700) directory.
-SERVE_SETS = frozenset({"worker_endpoint", "parent_pid", "curve_secret_key", "curve_server_key"})
+# Each worker's MLX memory limit is its share of --memory-budget.
+SERVE_SETS = frozenset({"worker_endpoint", "parent_pid", "curve_secret_key", "curve_server_key",
+                        "memory_limit_bytes"})
 
 
 def _configure_logging(level: str) -> None:
@@ -84,6 +86,7 @@ def serve_main(argv: list[str]) -> int:
     )
     add_arguments(parser, WorkerSettings, exclude=SERVE_SETS)
     add_arguments(parser, GatewaySettings, exclude=SERVE_SETS | {"curve_authorized_keys"})
+    add_arguments(parser, PoolSettings)
     parser.add_argument("--model", dest="model", action="append", default=None, help=(
         "a model to serve, as SOURCE or NAME=SOURCE (NAME: what clients ask for; default: SOURCE): an mlx-lm "
         "model directory, a .gguf file, or a Hugging Face repo id; repeatable, each model in a worker of its own "
@@ -95,6 +98,7 @@ def serve_main(argv: list[str]) -> int:
     args.model = None
     try:
         gateway_settings = resolve(GatewaySettings, args)
+        pool_settings = resolve(PoolSettings, args)
         base = resolve(WorkerSettings, args, environ={k: v for k, v in os.environ.items() if k != "MLXD_MODEL"})
         worker_settings = [msgspec.structs.replace(base, model=model) for model in models]
         names = [announced_name(ws) for ws in worker_settings]
@@ -110,7 +114,7 @@ def serve_main(argv: list[str]) -> int:
     from gateway.server import run_gateway
 
     try:
-        return run_gateway(gateway_settings, worker_settings)
+        return run_gateway(gateway_settings, worker_settings, pool_settings)
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
 

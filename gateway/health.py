@@ -10,7 +10,8 @@ import msgspec
 from gateway.worker_link import WorkerLink, WorkerState
 
 
-def _worker_entry(w: WorkerState, now: float) -> dict[str, Any]:
+def _worker_entry(w: WorkerState, now: float, local: set[int] | None = None) -> dict[str, Any]:
+    """local: the pids of the workers this gateway started (None: not known, `remote` left out)."""
     entry: dict[str, Any] = dict(
         ready=w.ready,
         state=w.vitals.state.value,
@@ -25,7 +26,13 @@ def _worker_entry(w: WorkerState, now: float) -> dict[str, Any]:
         steps=w.vitals.steps,
         last_heartbeat_s=round(now - w.vitals.last_beat, 3),
         up_s=round(now - w.accepted_at, 1),
+        weights_bytes=w.hello.weights_bytes,
     )
+    if local is not None:
+        # Connected on its own: launchd's worker, a replica, another Mac (its memory is not this pool's).
+        entry["remote"] = w.hello.pid not in local
+    if w.memory is not None:
+        entry["memory"] = msgspec.structs.asdict(w.memory)
     if w.prefix_cache is not None:
         entry["prefix_cache"] = msgspec.structs.asdict(w.prefix_cache)
     if w.affinity is not None:
@@ -33,10 +40,10 @@ def _worker_entry(w: WorkerState, now: float) -> dict[str, Any]:
     return entry
 
 
-def workers_status(link: WorkerLink) -> list[dict[str, Any]]:
-    """One entry per connected worker (replicas included), oldest first."""
+def workers_status(link: WorkerLink, local: set[int]) -> list[dict[str, Any]]:
+    """One entry per connected worker (replicas included), oldest first; `local`: the pids this gateway started."""
     now = time.monotonic()
-    return [_worker_entry(w, now) for w in link.workers.values()]
+    return [_worker_entry(w, now, local) for w in link.workers.values()]
 
 
 def worker_status(link: WorkerLink) -> dict[str, Any]:

@@ -31,6 +31,9 @@ class Histogram:
         return out
 
 
+LOADED = {"loaded": 1, "loading": 0.5, "unloaded": 0}
+
+
 class Metrics:
     def __init__(self) -> None:
         self.requests: Counter[tuple[str, int]] = Counter()
@@ -39,7 +42,8 @@ class Metrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
-    def render(self, worker: dict, supervisor: dict | None) -> str:
+    def render(self, worker: dict, supervisor: dict | None, ledger: dict | None = None) -> str:
+        """ledger: the pool's (ModelPool.ledger), when `mlxd serve` runs models."""
         lines = [
             "# HELP mlxd_requests_total HTTP requests by endpoint and status.",
             "# TYPE mlxd_requests_total counter",
@@ -75,6 +79,18 @@ class Metrics:
             lines += [f"# TYPE {name} gauge", f"{name} {value}"]
         for name, value in counters.items():
             lines += [f"# TYPE {name} counter", f"{name} {value}"]
+        if ledger is not None:
+            lines += ["# HELP mlxd_memory_budget_bytes The pool's memory budget (--memory-budget).",
+                      "# TYPE mlxd_memory_budget_bytes gauge", f"mlxd_memory_budget_bytes {ledger['budget']}",
+                      "# HELP mlxd_memory_charged_bytes What the ledger charges each loaded model, by part.",
+                      "# TYPE mlxd_memory_charged_bytes gauge"]
+            lines += [f'mlxd_memory_charged_bytes{{model="{name}",part="{part}"}} {value}'
+                      for name, model in ledger["models"].items()
+                      for part, value in model.get("memory", {}).items() if part != "total"]
+            lines += ["# HELP mlxd_model_loaded Whether a model is loaded (1), loading (0.5) or unloaded (0).",
+                      "# TYPE mlxd_model_loaded gauge"]
+            lines += [f'mlxd_model_loaded{{model="{name}"}} {LOADED[model["status"]]}'
+                      for name, model in ledger["models"].items()]
         return "\n".join(lines) + "\n"
 
 

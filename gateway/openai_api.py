@@ -37,6 +37,7 @@ from gateway.openai_schema import (
     ImagePart,
     Model,
     ModelList,
+    ModelMemory,
     NamedToolChoice,
     PromptTokensDetails,
     ResponseFormatJSONObject,
@@ -54,6 +55,7 @@ from gateway.plan import (
     NamedTool,
     Plan,
     SamplingParams,
+    keep_alive_seconds,
     nonempty_stops,
     template_message,
     template_tool_call,
@@ -123,6 +125,7 @@ def chat_plan(body: ChatCompletionRequest) -> Plan:
         parallel_tool_calls=body.parallel_tool_calls is not False,
         json_output=isinstance(body.response_format, (ResponseFormatJSONObject, ResponseFormatJSONSchema)),
         json_schema=schema,
+        keep_alive_s=keep_alive_seconds(body.keep_alive),
     )
 
 
@@ -140,6 +143,7 @@ def completion_plan(body: CompletionRequest) -> Plan:
         stops=nonempty_stops(body.stop_strings(), "stop"),
         stream=bool(body.stream),
         max_tokens=body.max_tokens,
+        keep_alive_s=keep_alive_seconds(body.keep_alive),
     )
 
 
@@ -148,15 +152,18 @@ class OpenAIAPI:
         self.serving = serving
 
     async def models(self, _request: Request) -> Response:
-        serving = self.serving
-        body = ModelList([Model(id=name, created=serving.started, status=serving.model_status(name))
-                          for name in serving.model_names()])
-        return MsgspecResponse(body)
+        return MsgspecResponse(ModelList([self._model(name, name) for name in self.serving.model_names()]))
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
-        served = self.serving.served_name(name, self.serving.model_names())
-        return MsgspecResponse(Model(id=name, created=self.serving.started, status=self.serving.model_status(served)))
+        return MsgspecResponse(self._model(name, self.serving.served_name(name, self.serving.model_names())))
+
+    def _model(self, name: str, served: str) -> Model:
+        """`name` as a client asked for it, served by the model `served`."""
+        pool = self.serving.pool
+        charge = pool.charge(served)
+        return Model(id=name, created=self.serving.started, status=pool.status(served),
+                     memory=ModelMemory(**charge.as_dict()) if charge else None)
 
     async def chat_completions(self, request: Request) -> Response:
         body = decode_body(await self.serving.read_body(request), ChatCompletionRequest)

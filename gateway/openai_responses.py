@@ -56,6 +56,7 @@ from gateway.plan import (
     Plan,
     SamplingParams,
     function_tool,
+    keep_alive_seconds,
     reasoning_switches,
     template_message,
     template_tool_call,
@@ -187,6 +188,7 @@ def responses_plan(body: CreateResponse, previous: StoredResponse | None, offere
         parallel_tool_calls=body.parallel_tool_calls is not False,
         json_output=isinstance(text_format, (ResponseFormatJSONObject, TextFormatJSONSchema)),
         json_schema=text_format.schema if isinstance(text_format, TextFormatJSONSchema) else None,
+        keep_alive_s=keep_alive_seconds(body.keep_alive),
     )
 
 

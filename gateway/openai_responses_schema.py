@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from gateway.openai_schema import MAX_INT, ResponseFormatJSONObject, ResponseFormatText
+from gateway.openai_schema import MAX_INT, KeepAlive, ResponseFormatJSONObject, ResponseFormatText
 
 # ---- requests ---------------------------------------------------------------
 
@@ -133,6 +133,8 @@ class CreateResponse(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
+    # Extension (Ollama's): how long the model stays loaded once idle.
+    keep_alive: KeepAlive = None
     max_output_tokens: Annotated[int, Meta(ge=1, le=MAX_INT)] | None = None
     temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
     top_p: Annotated[float, Meta(ge=0, le=1)] | None = None

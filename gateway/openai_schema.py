@@ -18,6 +18,10 @@ MAX_INT = 2**63 - 1
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 
+# An extension (Ollama's) every generation body takes: how long the model stays
+# loaded once idle, in seconds or as a duration ("5m"); negative is forever.
+KeepAlive = str | int | float | None
+
 
 class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
     text: str
@@ -95,6 +99,8 @@ class GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     user: str | None = None
     # Extension: keep generating past EOS (benchmarks want exact lengths).
     ignore_eos: bool = False
+    # Extension (Ollama's): how long the model stays loaded once idle.
+    keep_alive: KeepAlive = None
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -290,12 +296,23 @@ class Completion(msgspec.Struct, omit_defaults=True):
     usage: Usage | None = None
 
 
+class ModelMemory(msgspec.Struct):
+    """mlxd's: what the memory ledger charges a loaded model, in bytes."""
+
+    weights: int
+    prefix_cache: int
+    kv_reserved: int
+    total: int
+
+
 class Model(msgspec.Struct):
     id: str
     created: int
     owned_by: str = "mlxd"
     object: str = "model"
-    status: str = "loaded"  # mlxd's: "loaded" (a worker serving it is ready) or "loading"
+    # mlxd's: "loaded" (a worker serving it is ready), "loading" or "unloaded" (it loads on its first request).
+    status: str = "loaded"
+    memory: ModelMemory | None = None  # mlxd's, for a model `mlxd serve` runs, while it runs
 
 
 class ModelList(msgspec.Struct):

@@ -19,6 +19,7 @@ from gateway.images import ImageSource
 from gateway.parsing import arguments_object
 from gateway.sampling_defaults import SamplingDefaults
 from gateway.structured import forced_tool_call_grammar, json_schema_grammar, named_tool
+from gateway.units import parse_duration
 from protocol import Sampling
 
 
@@ -104,6 +105,7 @@ class Plan:
     json_output: bool = False  # the output must be JSON ...
     json_schema: dict | None = None  # ... following this schema, when there is one
     messages_param: str = "messages"  # the body's name for the conversation, for errors
+    keep_alive_s: float | None = None  # how long the model stays loaded once idle (None: --keep-alive)
 
     @property
     def prompt_param(self) -> str:
@@ -194,3 +196,13 @@ def reasoning_switches(effort: str | None, thinking: bool | None = None) -> dict
     if thinking is not None:
         kwargs["enable_thinking"] = thinking
     return kwargs or None
+
+
+def keep_alive_seconds(value: str | float | None) -> float | None:
+    """A body's `keep_alive` in seconds (math.inf: forever); a 400 for one that is not a duration."""
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError as e:
+        raise APIError(400, f"keep_alive: {e}", param="keep_alive") from None

@@ -116,8 +116,9 @@ def presented_key(headers: dict[bytes, bytes]) -> str | None:
 class Guard:
     """ASGI middleware: the DNS-rebinding guard and API-key checks.
 
-    With keys, /v1/* needs an API key and /metrics an API key or a metrics
-    key. Sets scope["state"]["client_id"]: the key's id, or (without keys) the
+    With keys, /v1/* needs an API key, /metrics an API key or a metrics
+    key, and /admin/* an admin key (--admin-key), or without admin keys an
+    API key. Sets scope["state"]["client_id"]: the key's id, or (without keys) the
     client's address, for per-client limits; and ["authenticated"].
     """
 
@@ -125,6 +126,7 @@ class Guard:
         self.app = app
         self.keys = keys
         self.metrics_keys = KeyRing(settings.metrics_key, None, kind="metrics keys")
+        self.admin_keys = KeyRing(settings.admin_key, None, kind="admin keys")
         self.loopback = is_loopback(settings.host)
         self.allowed_hosts = LOOPBACK_NAMES | {h.lower() for h in settings.allowed_host}
 
@@ -145,7 +147,11 @@ class Guard:
             if key_id is None and self.metrics_keys.identify(presented) is None:
                 return await _reject(scope, send, 401, "/metrics needs an API key or a metrics key "
                                      "(Authorization: Bearer KEY)", "invalid_api_key")
-        elif self.keys.enabled and key_id is None and path.startswith("/v1/"):
+        elif path.startswith("/admin/") and self.admin_keys.enabled:
+            if self.admin_keys.identify(presented) is None:
+                return await _reject(scope, send, 401, "/admin needs an admin key (Authorization: Bearer KEY)",
+                                     "invalid_api_key")
+        elif self.keys.enabled and key_id is None and path.startswith(("/v1/", "/admin/")):
             return await _reject(
                 scope, send, 401, "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)",
                 "invalid_api_key",

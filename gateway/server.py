@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import uvicorn
 
 from gateway.app import create_app
-from gateway.settings import GatewaySettings
+from gateway.settings import GatewaySettings, PoolSettings
 from protocol.worker_settings import WorkerSettings
 
 
@@ -54,8 +54,9 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run_gateway(settings: GatewaySettings, worker_settings: Sequence[WorkerSettings] = ()) -> int:
-    app = create_app(settings, worker_settings)
+def run_gateway(settings: GatewaySettings, worker_settings: Sequence[WorkerSettings] = (),
+                pool_settings: PoolSettings | None = None) -> int:
+    app = create_app(settings, worker_settings, pool_settings)
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -1,12 +1,13 @@
 """The one way an API request is served, whatever its dialect.
 
 An API turns its body into a `Plan` (gateway/plan.py) and hands it over with
-its `Renderer`, the dialect's hooks. `Serving.respond` then: waits (bounded)
-for a ready worker, checks the model name, tokenizes off the event loop,
-checks the context, builds the samplings, and runs the request through
-`generate` — the async iterator that admits it, submits it, yields its
-Deltas, and in its `finally` aborts whatever still runs in the worker — into
-SSE events or one body, through the Renderer.
+its `Renderer`, the dialect's hooks. `Serving.respond` then: checks the model
+name, takes a lease on the model from the pool (loading it if need be) and
+waits (bounded) for a ready worker, tokenizes off the event loop, checks the
+context, builds the samplings, and runs the request through `generate` — the
+async iterator that admits it, reserves its KV memory, submits it, yields its
+Deltas, and in its `finally` aborts whatever still runs in the worker and
+releases the lease — into SSE events or one body, through the Renderer.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import fnmatch
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -31,6 +32,7 @@ from gateway.metrics import Metrics
 from gateway.output_processor import Delta, RequestGroup, RequestState, TokenInfo
 from gateway.parsing import ToolCall, stream_parsers
 from gateway.plan import ChatInput, DocumentStart, Plan
+from gateway.pool import RETRY_AFTER_S, Lease, ModelPool, NoRoom
 from gateway.responses import EventStream, MsgspecResponse
 from gateway.settings import GatewaySettings
 from gateway.structured import FAMILY_OF_PARSER
@@ -41,8 +43,8 @@ log = logging.getLogger("mlxd.gateway.api")
 T = TypeVar("T")
 
 
-def unavailable(message: str) -> APIError:
-    return APIError(503, message, type="service_unavailable", code="worker_unavailable", headers={"Retry-After": "5"})
+def unavailable(message: str, code: str = "worker_unavailable") -> APIError:
+    return APIError(503, message, type="service_unavailable", code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 @dataclass
@@ -80,10 +82,10 @@ class Renderer(Protocol):
 
 
 class Serving:
-    def __init__(self, link: WorkerLink, settings: GatewaySettings, configured_models: Sequence[str] = ()) -> None:
+    def __init__(self, link: WorkerLink, settings: GatewaySettings, pool: ModelPool) -> None:
         self.link = link
         self.settings = settings
-        self.configured_models = list(configured_models)  # the names of the models `mlxd serve` starts
+        self.pool = pool  # the models `mlxd serve` runs (none under `mlxd gateway`)
         self.started = int(time.time())
         self.draining = False  # set on SIGTERM: no new requests
         self.admission = Admission(settings.max_inflight, settings.max_inflight_per_key)
@@ -120,16 +122,12 @@ class Serving:
 
     def model_names(self) -> list[str]:
         """The names clients may use, known without waiting for a worker: the
-        configured ones (--served-model-name, the models `mlxd serve` starts),
+        configured ones (--served-model-name, the models `mlxd serve` runs),
         and those of the workers that connected."""
         if self.settings.served_model_name:
             return list(self.settings.served_model_name)
-        names = [*self.configured_models, *(n for w in self.link.workers.values() for n in w.names)]
+        names = [*self.pool.models, *(n for w in self.link.workers.values() for n in w.names)]
         return list(dict.fromkeys(names))
-
-    def model_status(self, name: str) -> str:
-        """"loaded" while a ready worker serves the name, else "loading" (starting or restarting)."""
-        return "loaded" if any(w.ready and name in w.names for w in self.link.workers.values()) else "loading"
 
     def served_name(self, model: str, names: list[str]) -> str:
         """The served name a request for `model` reaches: `model` itself, or the
@@ -151,20 +149,32 @@ class Serving:
             code="model_not_found",
         )
 
-    async def worker_for(self, model: str) -> WorkerState:
-        """A ready worker serving `model` (404 for a name this server does not
-        serve; 503 when none becomes ready within --worker-wait-s)."""
+    async def lease(self, model: str, keep_alive_s: float | None = None) -> tuple[Lease, WorkerState]:
+        """A lease on `model` (loaded by the pool if need be) and a ready worker
+        serving it: 404 for a name this server does not serve; 503 when no
+        worker is ready within --worker-wait-s, or the pool has no room. The
+        caller releases the lease."""
         if self.draining:
             raise unavailable("the server is shutting down")
         names = self.model_names()
         name = self.served_name(model, names) if names else None  # no names known before the first worker
+        wait_s = self.settings.worker_wait_s
+        deadline = time.monotonic() + wait_s
         try:
-            worker = await self.link.ready_worker(self.settings.worker_wait_s, name)
-        except WorkerUnavailable as e:
-            raise unavailable(str(e)) from None
-        if name is None:
-            self.served_name(model, worker.names)
-        return worker
+            lease = await self.pool.lease(name, keep_alive_s, wait_s) if name else Lease(self.pool, None, None)
+        except NoRoom as e:
+            raise unavailable(str(e), "no_room") from None
+        try:
+            worker = await self.link.ready_worker(max(0.0, deadline - time.monotonic()), name,
+                                                  lease.model.load_error if lease.model else None)
+            if name is None:
+                self.served_name(model, worker.names)
+        except BaseException as e:
+            lease.release()
+            if isinstance(e, WorkerUnavailable):
+                raise unavailable(str(e)) from None
+            raise
+        return lease, worker
 
     async def tokenize(self, fn: Callable[..., T], *args: Any, param: str = "messages") -> T:
         """fn(*args) in a thread; a PromptError is the client's 400."""
@@ -217,18 +227,24 @@ class Serving:
 
     async def respond(self, request: Request, plan: Plan, renderer: Renderer) -> Response:
         """Serve one API request: SSE events or one body, written by the renderer."""
-        worker = await self.worker_for(plan.model)
-        prompt = await self.prompt(worker, plan)
-        group = self._group(worker, plan, prompt, renderer.id)
-        deltas = self.generate(request, plan, group, renderer.id, worker)
-        if plan.stream:
-            # Admitted and submitted before any 200: a refusal is still a 4xx/5xx.
-            opening = await anext(deltas)
-            return EventStream(self._events(renderer, group, opening, deltas), deltas)
+        lease, worker = await self.lease(plan.model, plan.keep_alive_s)
+        streaming = False  # once a stream is open, its generate releases the lease when it ends
         try:
-            choices = await collect(request, deltas, len(group.states))
-        except TimeoutError:
-            raise self.timed_out() from None
+            prompt = await self.prompt(worker, plan)
+            group = self._group(worker, plan, prompt, renderer.id)
+            deltas = self.generate(request, plan, group, renderer.id, worker, lease)
+            if plan.stream:
+                # Admitted, reserved and submitted before any 200: a refusal is still a 4xx/5xx.
+                opening = await anext(deltas)
+                streaming = True
+                return EventStream(self._events(renderer, group, opening, deltas), deltas)
+            try:
+                choices = await collect(request, deltas, len(group.states))
+            except TimeoutError:
+                raise self.timed_out() from None
+        finally:
+            if not streaming:
+                lease.release()
         if choices is None:
             return Response(status_code=499)  # nobody is listening
         self._log_completion(renderer.id, [c.text for c in choices])
@@ -256,17 +272,21 @@ class Serving:
         return RequestGroup(states, queue)
 
     async def generate(self, request: Request, plan: Plan, group: RequestGroup, request_id: str,
-                       worker: WorkerState) -> AsyncGenerator[Delta]:
-        """Admit the request (429/503), submit its choices to the worker, and
-        yield first an empty Delta opening each choice, then every Delta until
-        each choice has its final one.
+                       worker: WorkerState, lease: Lease) -> AsyncGenerator[Delta]:
+        """Admit the request (429/503), reserve its KV memory (503), submit its
+        choices to the worker, and yield first an empty Delta opening each
+        choice, then every Delta until each choice has its final one.
 
         However it ends — finished, client gone, timed out, cancelled, failed —
         its `finally` aborts in the worker what still runs there and releases
-        the admission. Nothing else aborts a request for its client.
+        the admission and the lease. Nothing else aborts a request for its client.
         """
         client_id = request.scope["state"]["client_id"]
-        release = self.admission.admit(client_id)
+        try:
+            release = self.admission.admit(client_id)
+        except BaseException:
+            lease.release()
+            raise
         self.running[request_id] = (client_id, group)
         timeout = self.settings.request_timeout_s
         deadline = asyncio.get_running_loop().time() + timeout if timeout else None
@@ -275,8 +295,13 @@ class Serving:
         calls: Counter[int] = Counter()  # tool calls returned per choice
         try:
             try:
+                footprint = worker.hello.kv_footprint
+                await lease.reserve(sum(footprint.bytes_for(len(s.prompt) + s.sampling.max_tokens)
+                                        for s in group.states))
                 for state in group.states:
                     self.link.submit(state, worker)
+            except NoRoom as e:
+                raise unavailable(str(e), "memory_budget_exceeded") from None
             except WorkerUnavailable as e:
                 raise unavailable(str(e)) from None
             for state in group.states:
@@ -296,6 +321,7 @@ class Serving:
         finally:
             self.link.abort([state.request_id for state in group.states if state.running])
             release()
+            lease.release()
             del self.running[request_id]
             self.metrics.prompt_tokens += group.prompt_tokens
             self.metrics.generation_tokens += group.completion_tokens

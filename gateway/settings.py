@@ -55,6 +55,11 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
         Meta(description="a key that may read /metrics only (for a scraper); API keys may read it too",
              extra={"env": "MLXD_METRICS_KEYS"}),
     ] = []
+    admin_key: Annotated[
+        list[str],
+        Meta(description="a key for /admin/* (loading and unloading models); without one, API keys may use it",
+             extra={"env": "MLXD_ADMIN_KEYS"}),
+    ] = []
     insecure_no_auth: Annotated[
         bool, Meta(description="allow listening beyond loopback without API keys (dangerous)")
     ] = False
@@ -100,4 +105,26 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     ] = None
     curve_authorized_keys: Annotated[
         str | None, Meta(description="a directory of the public key files of the workers allowed to connect")
+    ] = None
+
+
+class PoolSettings(msgspec.Struct, kw_only=True):
+    """`mlxd serve`'s models: when they load and unload, and in what memory (docs/operations.md)."""
+
+    preload: Annotated[
+        bool, Meta(description="load every model at start (as many as fit) rather than on its first request")
+    ] = False
+    keep_alive: Annotated[
+        str, Meta(description="how long an idle model stays loaded: 30s, 5m, 1h; -1 forever; 0 unloads it as soon "
+                              "as it is idle (a request's `keep_alive` field overrides it for that model)")
+    ] = "5m"
+    pin: Annotated[
+        list[str], Meta(description="a model NAME that loads at start and is never unloaded to make room or when idle")
+    ] = []
+    max_loaded_models: Annotated[int, Meta(ge=1, description="models loaded at once")] = 3
+    memory_budget: Annotated[
+        str | None,
+        Meta(description="memory the loaded models may use, e.g. 48G: weights, prefix caches and each running "
+                         "request's KV state (default: on macOS the GPU's working set, 3/4 of memory, less 2 GiB; "
+                         "elsewhere half the memory)"),
     ] = None

@@ -4,9 +4,10 @@ A worker that exits is restarted after a backoff that doubles from 0.5 s up
 to 30 s (and starts over once a worker has stayed up a minute). Five exits
 within a minute is a crash loop: reported in /health and the log, and retried
 at the slowest pace rather than spun. A worker the link reports hung is killed,
-and so restarted. A supervisor's first worker that cannot load its model ends
-`mlxd serve` with the reason (on_fatal): retrying would only fail the same way.
-With several models, any one that cannot load at start ends it.
+and so restarted. The first worker of a start that cannot load its model
+stops the supervisor and reports the reason (on_fatal): retrying would only
+fail the same way. The pool (gateway/pool.py) starts and stops supervisors as
+models load and unload.
 
 The worker runs in a process group of its own, so a Ctrl-C in the terminal
 reaches the gateway alone, which lets open streams finish, then stops the worker.
@@ -44,9 +45,9 @@ class WorkerSupervisor:
     def __init__(self, settings: WorkerSettings, link: WorkerLink, stop_timeout_s: float) -> None:
         # The worker is its own program (`python -m worker`): the gateway
         # never imports it, and MLX never enters this process.
-        settings = msgspec.structs.replace(settings, parent_pid=os.getpid())
+        # The pool may change the settings (the MLX memory limit) before each start.
+        self.settings = msgspec.structs.replace(settings, parent_pid=os.getpid())
         self.model = settings.model  # as its worker names it in a LoadFailed
-        self.argv = [sys.executable, "-m", "worker", *to_arguments(settings)]
         self.link = link
         self.stop_timeout_s = stop_timeout_s
         self.process: asyncio.subprocess.Process | None = None
@@ -59,7 +60,13 @@ class WorkerSupervisor:
         # Called with the reason when serving cannot start (the model does not load).
         self.on_fatal: Callable[[str], None] | None = None
 
+    @property
+    def running(self) -> bool:
+        """Started, and neither stopped nor given up on a model that cannot load."""
+        return self._task is not None and not self._task.done() and not self._stopping
+
     async def start(self) -> None:
+        self._stopping = False
         self._task = asyncio.create_task(self._run(), name="mlxd-supervisor")
 
     def status(self) -> dict:
@@ -72,20 +79,23 @@ class WorkerSupervisor:
 
     async def _run(self) -> None:
         backoff = INITIAL_BACKOFF_S
+        argv = [sys.executable, "-m", "worker", *to_arguments(self.settings)]
+        first = True
         while not self._stopping:
             started = time.monotonic()
             # A process group of its own, in the same session: a terminal's
             # Ctrl-C goes to the foreground group only, while the scheduler
             # (Linux autogroups are per session) weighs it as before.
-            self.process = await asyncio.create_subprocess_exec(*self.argv, process_group=0)
+            self.process = await asyncio.create_subprocess_exec(*argv, process_group=0)
             log.info("started worker pid %d", self.process.pid)
             status = await self.process.wait()
             self.link.worker_process_exited(self.process.pid, status)
             if self._stopping:
                 return
-            if status == EXIT_LOAD_FAILED and self.restarts == 0:
+            if status == EXIT_LOAD_FAILED and first:
                 await self._fail_to_start()
                 return
+            first = False
             now = time.monotonic()
             self.restarts += 1
             self.last_exit_status = status
@@ -144,3 +154,4 @@ class WorkerSupervisor:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        self.process = None

@@ -54,6 +54,7 @@ from protocol import (
     Heartbeat,
     Hello,
     LoadFailed,
+    MemoryStats,
     PrefixCacheStats,
     ProtocolError,
     Refused,
@@ -94,6 +95,7 @@ class WorkerState:
     waiting: int = 0
     affinity: AffinityReport | None = None
     prefix_cache: PrefixCacheStats | None = None
+    memory: MemoryStats | None = None  # MLX's allocator, from its heartbeats
     ready: bool = True  # its liveness says so: requests may go to it
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # the prompts sent to it
 
@@ -171,19 +173,29 @@ class WorkerLink:
         return self._ready.is_set()
 
 
-    async def ready_worker(self, timeout_s: float, model: str | None) -> WorkerState:
+    async def ready_worker(self, timeout_s: float, model: str | None,
+                           failure: Callable[[], str | None] | None = None) -> WorkerState:
         """A ready worker serving `model` (None: any), for preparing a request's
-        prompt (submit picks where it runs)."""
-        if self.load_error is not None and not self.ready:
-            raise WorkerUnavailable(self.load_error)
+        prompt (submit picks where it runs). WorkerUnavailable when none is
+        ready within timeout_s, or as soon as `failure` gives a reason (its
+        model could not load; by default, the last LoadFailed while no worker is ready)."""
+        if failure is None:
+            failure = lambda: self.load_error if not self.ready else None  # noqa: E731
         deadline = time.monotonic() + timeout_s
         while (worker := self._least_loaded(model)) is None:
+            if (why := failure()) is not None:
+                raise WorkerUnavailable(why)
             changed = self._changed
             try:
                 await asyncio.wait_for(changed.wait(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 raise WorkerUnavailable(f"no worker became ready within {timeout_s:g}s") from None
         return worker
+
+    def notify(self) -> None:
+        """Wake what waits for a worker: something it depends on changed."""
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def submit(self, state: RequestState, prepared_by: WorkerState) -> None:
         """Send a request, its prompt prepared for `prepared_by`'s weights, to a
@@ -280,6 +292,7 @@ class WorkerLink:
             if isinstance(message, LoadFailed):
                 log.error("worker pid %d cannot load its model %r: %s", message.pid, message.model, message.reason)
                 self.load_failure = message
+                self.notify()
                 continue
             if isinstance(message, Heartbeat):  # from the worker's own heartbeat socket: known by its epoch
                 beating = next((w for w in self.workers.values() if w.hello.epoch == message.epoch), None)
@@ -385,7 +398,7 @@ class WorkerLink:
 
     def _on_heartbeat(self, w: WorkerState, beat: Heartbeat) -> None:
         w.vitals.beat(time.monotonic(), beat.step, beat.running)
-        w.waiting, w.affinity, w.prefix_cache = beat.waiting, beat.affinity, beat.prefix_cache
+        w.waiting, w.affinity, w.prefix_cache, w.memory = beat.waiting, beat.affinity, beat.prefix_cache, beat.memory
         self._assess(w)
 
     def _assess(self, w: WorkerState) -> None:
@@ -414,8 +427,7 @@ class WorkerLink:
             self._ready.set()
         else:
             self._ready.clear()
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self.notify()
 
     def _on_disconnect(self, identity: bytes) -> None:
         """A peer's connection closed. Over ipc the worker process is gone (a

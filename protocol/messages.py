@@ -89,6 +89,21 @@ ToWorker = Welcome | Refused | AddRequest | Abort
 # ---- worker -> gateway ------------------------------------------------------
 
 
+class KVFootprint(msgspec.Struct, array_like=True, frozen=True):
+    """The bytes of KV state one request holds, as measured on the worker's own
+    cache layers: full-attention layers grow with every token, sliding-window
+    layers stop growing at their window, and recurrent (SSM, linear-attention)
+    layers hold a fixed state."""
+
+    per_token: int = 0  # full-attention layers, per token
+    windowed: tuple[tuple[int, int], ...] = ()  # (bytes per token, window in tokens) per sliding-window layer
+    fixed: int = 0  # recurrent layers' state, whatever the length
+
+    def bytes_for(self, tokens: int) -> int:
+        """The KV state of a sequence of `tokens` tokens."""
+        return self.per_token * tokens + sum(b * min(tokens, window) for b, window in self.windowed) + self.fixed
+
+
 class Hello(_Message, tag="hello"):
     """Sent when a worker connects (and again until welcomed).
 
@@ -116,6 +131,10 @@ class Hello(_Message, tag="hello"):
     # The reasoning block's markers mlx-lm found for the model ([start, end],
     # e.g. ["<think>", "</think>"] or Gemma's ["<|channel>thought", "<channel|>"]); [] for none.
     reasoning_markers: list[str] = []
+    # The loaded weights' bytes (every parameter array, as it sits in memory).
+    weights_bytes: int = 0
+    # What a request's KV state costs: the gateway's memory ledger reserves it before admitting one.
+    kv_footprint: KVFootprint = KVFootprint()
 
 
 FinishReason = Literal["stop", "length"]
@@ -166,6 +185,14 @@ class PrefixCacheStats(msgspec.Struct, array_like=True):
     entries: int
 
 
+class MemoryStats(msgspec.Struct, array_like=True):
+    """MLX's allocator, as the main thread last read it (after the latest step)."""
+
+    active: int  # bytes in arrays now
+    peak: int  # the most active at once since the worker started
+    cache: int  # freed buffers MLX keeps for reuse
+
+
 class Heartbeat(_Message, tag="heartbeat"):
     """Sent at a fixed interval by a thread of its own (which never touches
     MLX), so a worker whose main thread is stuck in one step still beats but
@@ -177,6 +204,7 @@ class Heartbeat(_Message, tag="heartbeat"):
     waiting: int
     affinity: AffinityReport | None = None
     prefix_cache: PrefixCacheStats | None = None
+    memory: MemoryStats | None = None
 
 
 class Draining(_Message, tag="draining"):

@@ -43,6 +43,11 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     prefix_cache_bytes: Annotated[
         int, Meta(ge=0, description="memory for KV state kept to reuse shared prompt prefixes; 0 turns it off")
     ] = 1 << 30
+    memory_limit_bytes: Annotated[
+        int | None,
+        Meta(description="MLX's memory limit for this worker (`mlxd serve` sets it to the model's share of "
+                               "--memory-budget): MLX frees its buffer cache and waits on running work before growing past it"),
+    ] = None
     heartbeat_s: Annotated[float, Meta(gt=0, description="seconds between heartbeats")] = 0.5
     drain_s: Annotated[
         float,

@@ -75,7 +75,9 @@ class Server:
             cwd=ROOT,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            # Models load at start, as with --preload, unless a test says otherwise: a
+            # test's first request then finds its model ready, as most tests expect.
+            env={**os.environ, "MLXD_PRELOAD": "true", **(env or {})},
             start_new_session=new_session,
         )
         self.http = httpx.Client(base_url=self.url, timeout=60)

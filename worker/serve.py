@@ -37,6 +37,7 @@ from protocol import (
 from protocol.worker_settings import WorkerSettings
 from worker.audit import AffinityAudit
 from worker.engine import Engine, InvalidRequest
+from worker.footprint import memory_stats
 from worker.heartbeat import HeartbeatThread
 from worker.transport import connect
 
@@ -61,6 +62,7 @@ class Worker:
         self.handed_back: list[str] = []
         self._announced_drain = False
         self._next_hello = 0.0
+        self.memory = memory_stats()  # read by the main thread after each step, sent by the heartbeat's
         self._context = zmq.Context()
         self.socket = connect(self._context, settings, f"worker-{hello.epoch}")
         self.socket.setsockopt(zmq.LINGER, 1000)
@@ -120,6 +122,7 @@ class Worker:
             for request_id in self.engine.abort_all():
                 self.send(Error(request_id, f"engine step failed: {e}"))
             return
+        self.memory = memory_stats()
         late = self.receive(0)
         self.handle(late)
         aborted = {r for m, _ in late if isinstance(m, Abort) for r in m.request_ids}
@@ -136,6 +139,7 @@ class Worker:
             waiting=self.engine.waiting,
             affinity=self.audit.report() if self.audit else None,
             prefix_cache=self.engine.prefix_cache.stats() if self.engine.prefix_cache else None,
+            memory=self.memory,
         )
 
     def drain(self, drain_s: float) -> None:

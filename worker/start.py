@@ -15,6 +15,7 @@ from protocol import EXIT_LOAD_FAILED, PROTOCOL_VERSION, Hello, LoadFailed, enco
 from protocol.worker_settings import WorkerSettings, model_source, split_model
 from worker.audit import AffinityAudit
 from worker.engine import Engine
+from worker.footprint import kv_footprint, set_limits, weights_bytes
 from worker.grammar import Grammars
 from worker.model import load_model
 from worker.model_source import ModelNotFound
@@ -51,6 +52,7 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
     if affinity:
         log.info("affinity audit on: every MLX evaluation's thread is recorded")
     started = time.monotonic()
+    set_limits(settings.memory_limit_bytes)
     try:
         loaded = load_model(model_source(settings), settings.context_length, settings.cpu_dequantize)
     except (ModelNotFound, OSError, ValueError) as e:  # GGUFError is a ValueError
@@ -62,8 +64,9 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
     vision = None
     if loaded.image_token_id is not None:
         vision = VisionPrefill(loaded.model, loaded.image_token_id, settings.prefill_chunk)
+    text_model = vision.language_model if vision else loaded.model
     engine = Engine(
-        vision.language_model if vision else loaded.model,
+        text_model,
         eos_token_ids=loaded.eos_token_ids,
         vocab_size=loaded.vocab_size,
         context_length=loaded.context_length,
@@ -88,6 +91,8 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         model_digest=loaded.digest,
         tool_parser=loaded.tool_parser,
         reasoning_markers=loaded.reasoning_markers,
+        weights_bytes=weights_bytes(loaded.model),
+        kv_footprint=kv_footprint(text_model),
     )
     try:
         worker = Worker(settings, engine, hello, affinity)

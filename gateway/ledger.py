@@ -1,0 +1,79 @@
+"""The memory ledger's arithmetic: what the budget is, what each model is
+charged, and what its weights will cost before a worker has measured them.
+
+A model that runs (loading or loaded) is charged its weights, its prefix
+cache's budget, and the KV reservation of each request admitted to it
+(prompt + max_tokens, at the bytes per token its worker measured). The pool
+(gateway/pool.py) starts a model, and admits a request, only when the charge
+fits in the budget: memory is decided before the work starts, because on a
+Mac a Metal allocation that fails ends the process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+# What the default budget leaves to the system and the gateway.
+HEADROOM_BYTES = 2 << 30
+# Metal's recommended working set is about this share of a Mac's memory (as
+# mx.metal.device_info reports it); the gateway does not load MLX to ask.
+MACOS_GPU_SHARE = 0.75
+LINUX_SHARE = 0.5
+WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf")
+
+
+def total_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_memory_budget() -> int:
+    """On macOS, the GPU's working set less headroom; elsewhere, half the RAM."""
+    share = MACOS_GPU_SHARE if sys.platform == "darwin" else LINUX_SHARE
+    return max(int(total_memory() * share) - (HEADROOM_BYTES if sys.platform == "darwin" else 0), 1 << 30)
+
+
+def weights_on_disk(source: str) -> int:
+    """The size of a model's weight files, as the estimate of its weights until
+    a worker has loaded them: a directory's or a .gguf file's, or a Hugging Face
+    repo's in the local hub cache; 0 when they cannot be found from here."""
+    path = Path(source).expanduser() if source else None
+    if path is not None and path.is_file():
+        return path.stat().st_size
+    if path is not None and path.is_dir():
+        return _weight_files_size(path)
+    if source.count("/") == 1 and not source.startswith((".", "/")):
+        hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME") or
+                                                           Path.home() / ".cache" / "huggingface") / "hub")
+        snapshots = hub / f"models--{source.replace('/', '--')}" / "snapshots"
+        if snapshots.is_dir():
+            return max((_weight_files_size(s) for s in snapshots.iterdir()), default=0)
+    return 0
+
+
+def _weight_files_size(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.iterdir() if f.suffix in WEIGHT_SUFFIXES and f.is_file())
+
+
+@dataclass
+class Charge:
+    """One running model's entry in the ledger, in bytes."""
+
+    weights: int  # measured by its worker once loaded, else weights_on_disk
+    prefix_cache: int  # its workers' --prefix-cache-bytes
+    kv_reserved: int = 0  # the KV reservations of its admitted requests
+
+    @property
+    def fixed(self) -> int:
+        """What the model costs with no request running."""
+        return self.weights + self.prefix_cache
+
+    @property
+    def total(self) -> int:
+        return self.fixed + self.kv_reserved
+
+    def as_dict(self) -> dict[str, int]:
+        return {"weights": self.weights, "prefix_cache": self.prefix_cache, "kv_reserved": self.kv_reserved,
+                "total": self.total}

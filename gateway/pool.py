@@ -1,0 +1,364 @@
+"""The models `mlxd serve` runs: which are loaded, within what memory, for how long.
+
+Each configured model has a supervisor (gateway/supervisor.py) that the pool
+starts when a request needs the model (or at start: --preload, --pin) and
+stops when it has been idle past its keep-alive (--keep-alive, or the
+`keep_alive` of the request that used it last), or to make room for another.
+Room is two limits: --max-loaded-models, and the memory ledger
+(gateway/ledger.py) of --memory-budget. Making room unloads idle, unpinned
+models, least recently used first; while none can go, a request for an
+unloaded model waits (within --worker-wait-s) for one to become idle.
+
+Every request holds a Lease on its model while it runs, so its model is not
+unloaded under it, and reserves its KV state in the ledger before anything is
+sent to a worker: a request that cannot fit is refused with a 503 and
+Retry-After before its 200, never discovered by an out-of-memory crash.
+
+Workers that connect on their own (`mlxd gateway`, replicas, other Macs) are
+not the pool's: a request for one of their models takes a Lease that loads
+nothing and reserves nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+from gateway.ledger import Charge, weights_on_disk
+from gateway.supervisor import WorkerSupervisor
+from gateway.units import format_size
+from gateway.worker_link import WorkerLink
+from protocol.worker_settings import WorkerSettings, announced_name, model_source
+
+log = logging.getLogger("mlxd.gateway.pool")
+
+REAP_INTERVAL_S = 0.25
+# What a client is told to wait before retrying a request the pool has no room for.
+RETRY_AFTER_S = 5
+
+
+class NoRoom(Exception):
+    """The pool cannot run this now: the message says why, for the 503."""
+
+
+@dataclass
+class PooledModel:
+    name: str
+    supervisor: WorkerSupervisor
+    charge: Charge
+    pinned: bool = False
+    users: int = 0  # Leases held: requests running on it (or waiting for it)
+    last_used: float = 0.0
+    idle_until: float = math.inf  # when it is unloaded, once idle
+    failure: str | None = None  # why its last load failed, until the next
+    unload_requested: bool = False  # by an admin, while requests ran: it unloads when they end
+
+    @property
+    def running(self) -> bool:
+        return self.supervisor.running
+
+    def load_error(self) -> str | None:
+        """Why its last load failed, while it is not running."""
+        return self.failure if not self.running else None
+
+
+@dataclass
+class Lease:
+    """A request's hold on its model, and its KV reservation; released once."""
+
+    pool: ModelPool
+    model: PooledModel | None  # None: a model of workers the pool did not start
+    keep_alive_s: float | None  # the request's keep_alive (None: the server's)
+    reserved: int = 0
+    released: bool = field(default=False)
+
+    async def reserve(self, nbytes: int) -> None:
+        """Reserve KV memory for the request (NoRoom if it does not fit)."""
+        if self.model is not None:
+            await self.pool.reserve(self.model, nbytes)
+            self.reserved += nbytes
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.pool.release(self)
+
+
+class ModelPool:
+    def __init__(
+        self,
+        link: WorkerLink,
+        worker_settings: Sequence[WorkerSettings],
+        *,
+        budget: int,
+        max_loaded: int,
+        keep_alive_s: float,
+        pinned: Sequence[str] = (),
+        preload: bool = False,
+        stop_timeout_s: float,
+    ) -> None:
+        self.link = link
+        self.budget = budget
+        self.max_loaded = max_loaded
+        self.keep_alive_s = keep_alive_s
+        self.preload = preload
+        self.models: dict[str, PooledModel] = {}
+        for ws in worker_settings:
+            name = announced_name(ws)
+            self.models[name] = PooledModel(
+                name, WorkerSupervisor(ws, link, stop_timeout_s),
+                Charge(weights_on_disk(model_source(ws)), ws.prefix_cache_bytes), pinned=name in pinned)
+        unknown = set(pinned) - set(self.models)
+        if unknown:
+            raise ValueError(f"--pin {', '.join(sorted(unknown))}: not a served model ({', '.join(self.models)})")
+        if len(pinned) > max_loaded:
+            raise ValueError(f"--pin names {len(pinned)} models; --max-loaded-models is {max_loaded}")
+        self._lock = asyncio.Lock()  # one decision about loading and unloading at a time
+        self._changed = asyncio.Event()  # set, and replaced, when a model becomes idle or unloads
+        self._reaper: asyncio.Task | None = None
+        self._starting: set[str] = set()  # loaded at start, not yet ready
+        self.on_fatal: Callable[[str], None] | None = None  # a model that must load at start cannot
+
+    @property
+    def supervisors(self) -> list[WorkerSupervisor]:
+        return [m.supervisor for m in self.models.values()]
+
+    # ---- lifetime ------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the pinned models (and with --preload, every model that fits, in order)."""
+        for m in self.models.values():
+            if m.pinned or self.preload:
+                async with self._lock:
+                    if self._room_for(m, m.charge.fixed, idle_only=True) != []:
+                        if m.pinned:
+                            raise NoRoom(f"the pinned model {m.name} does not fit: {self._why_no_room(m)}")
+                        log.warning("--preload: %s is left unloaded: %s", m.name, self._why_no_room(m))
+                        continue
+                    await self._start(m, at_start=True)
+                    self._starting.add(m.name)
+        self._reaper = asyncio.create_task(self._reap(), name="mlxd-pool-reaper")
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        await asyncio.gather(*(m.supervisor.stop() for m in self.models.values()))
+
+    def stop_restarting(self) -> None:
+        for m in self.models.values():
+            m.supervisor.stop_restarting()
+
+    # ---- what requests use ---------------------------------------------------
+
+    async def lease(self, name: str, keep_alive_s: float | None, wait_s: float) -> Lease:
+        """Hold `name` for a request, starting it if it is not loaded (making
+        room first); NoRoom if no room is made within wait_s."""
+        m = self.models.get(name)
+        lease = Lease(self, m, keep_alive_s)
+        if m is None:
+            return lease
+        m.users += 1
+        m.last_used = time.monotonic()
+        try:
+            await self._load(m, time.monotonic() + wait_s)
+        except BaseException:
+            lease.release()
+            raise
+        return lease
+
+    async def reserve(self, m: PooledModel, nbytes: int) -> None:
+        """Charge a request's KV state to its model, unloading idle models to
+        make room; NoRoom if the budget cannot hold it now."""
+        async with self._lock:
+            victims = self._room_for(m, m.charge.total + nbytes, idle_only=True)
+            if victims is None:
+                never = nbytes + m.charge.fixed > self.budget
+                raise NoRoom(
+                    f"the request's KV reservation ({format_size(nbytes)}: its prompt plus max_tokens) does not fit "
+                    f"in the memory budget ({format_size(self.budget)}, {format_size(self.used)} in use)"
+                    + ("; lower max_tokens" if never else "; retry when running requests have finished"))
+            for victim in victims:
+                await self._stop(victim, f"making room for a request to {m.name}")
+            m.charge.kv_reserved += nbytes
+
+    def release(self, lease: Lease) -> None:
+        m = lease.model
+        if m is None:
+            return
+        m.charge.kv_reserved -= lease.reserved
+        m.users -= 1
+        m.last_used = time.monotonic()
+        if m.users == 0:
+            keep = self.keep_alive_s if lease.keep_alive_s is None else lease.keep_alive_s
+            if m.unload_requested:
+                keep = 0.0
+            m.idle_until = math.inf if m.pinned else m.last_used + keep
+            if keep == 0 and (not m.pinned or m.unload_requested):
+                asyncio.get_running_loop().create_task(self._unload_if_idle(m))
+        self._notify()
+
+    # ---- what operators use (the admin endpoints) ---------------------------
+
+    async def unload(self, name: str) -> bool:
+        """Unload a model now if it is idle (True); else once its running requests end (False)."""
+        m = self.models[name]
+        if m.users == 0:
+            async with self._lock:
+                await self._stop(m, "unloaded by an admin request")
+            return True
+        m.unload_requested = True
+        return False
+
+    # ---- what /ready, /health, /metrics and /v1/models show -----------------
+
+    @property
+    def ready(self) -> bool:
+        """The models loaded at start have been ready once, and the pinned ones are loaded."""
+        self._starting = {name for name in self._starting if self.status(name) != "loaded"}
+        return not self._starting and all(self.status(m.name) == "loaded" for m in self.models.values() if m.pinned)
+
+    def status(self, name: str) -> str:
+        """"loaded" (a ready worker serves it), "loading" (started, not ready yet) or "unloaded"."""
+        if any(w.ready and name in w.names for w in self.link.workers.values()):
+            return "loaded"
+        m = self.models.get(name)
+        return "loading" if m is not None and m.running else "unloaded"
+
+    def charge(self, name: str) -> Charge | None:
+        """A running model's entry in the ledger (None for one that is not the pool's, or not running)."""
+        m = self.models.get(name)
+        if m is None or not m.running:
+            return None
+        self._measure(m)
+        return m.charge
+
+    @property
+    def used(self) -> int:
+        return sum(charge.total for m in self.models.values() if (charge := self.charge(m.name)) is not None)
+
+    def ledger(self) -> dict:
+        now = time.monotonic()
+        return {
+            "budget": self.budget,
+            "used": self.used,
+            "max_loaded_models": self.max_loaded,
+            "models": {m.name: {"status": self.status(m.name), "pinned": m.pinned, "users": m.users,
+                                "unloads_in_s": None if not m.running or m.users or m.idle_until == math.inf
+                                else round(max(0.0, m.idle_until - now), 1),
+                                **({"memory": self.charge(m.name).as_dict()} if m.running else {}),  # type: ignore[union-attr]
+                                **({"load_error": m.failure} if m.failure and not m.running else {})}
+                       for m in self.models.values()},
+        }
+
+    # ---- inside ----------------------------------------------------------------
+
+    def _measure(self, m: PooledModel) -> None:
+        """Take the weights' size from the model's own worker once it has measured them."""
+        pid = m.supervisor.process.pid if m.supervisor.process else None
+        measured = next((w.hello.weights_bytes for w in self.link.workers.values()
+                         if w.hello.pid == pid and w.hello.weights_bytes), None)
+        if measured is not None:
+            m.charge.weights = measured
+
+    def _used_without(self, m: PooledModel) -> int:
+        return sum(o.charge.total for o in self.models.values() if o.running and o is not m)
+
+    async def _load(self, m: PooledModel, deadline: float) -> None:
+        while True:
+            async with self._lock:
+                if m.running:
+                    return
+                victims = self._room_for(m, m.charge.fixed, idle_only=True)
+                if victims is not None:
+                    for victim in victims:
+                        await self._stop(victim, f"making room for {m.name}")
+                    await self._start(m)
+                    return
+                if self._room_for(m, m.charge.fixed, idle_only=False) is None:
+                    raise NoRoom(f"the model {m.name} cannot load: {self._why_no_room(m)}")
+                changed = self._changed
+            try:
+                await asyncio.wait_for(changed.wait(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise NoRoom(f"no room to load {m.name} within the wait: {self._why_no_room(m)}; "
+                             "the models in the way are busy") from None
+
+    def _room_for(self, m: PooledModel, need: int, idle_only: bool) -> list[PooledModel] | None:
+        """The models to unload, least recently used first, so that `m`,
+        charged `need` bytes, runs beside the rest; None if unloading every
+        model that may go (idle ones only, or busy ones too) is not enough."""
+        others = [o for o in self.models.values() if o.running and o is not m]
+        for o in others:
+            self._measure(o)
+        candidates = sorted((o for o in others if not o.pinned and (o.users == 0 or not idle_only)),
+                            key=lambda o: o.last_used)
+        victims: list[PooledModel] = []
+        loaded, used = len(others) + 1, sum(o.charge.total for o in others)
+        while loaded > self.max_loaded or used + need > self.budget:
+            if not candidates:
+                return None
+            victim = candidates.pop(0)
+            victims.append(victim)
+            loaded -= 1
+            used -= victim.charge.total
+        return victims
+
+    def _why_no_room(self, m: PooledModel) -> str:
+        if m.charge.fixed > self.budget:
+            return (f"it needs {format_size(m.charge.fixed)} (weights and prefix cache), more than the memory budget "
+                    f"of {format_size(self.budget)}")
+        running = [o.name for o in self.models.values() if o.running and o is not m]
+        return (f"{len(running)} of at most {self.max_loaded} models loaded ({', '.join(running) or 'none'}), "
+                f"{format_size(self._used_without(m))} of the {format_size(self.budget)} budget in use; "
+                f"it needs {format_size(m.charge.fixed)}")
+
+    async def _start(self, m: PooledModel, at_start: bool = False) -> None:
+        """Start the model's worker, its MLX memory limit set to what the budget
+        leaves it. A model that cannot load at start ends the server; later, it
+        fails the requests waiting for it."""
+        share = max(self.budget - self._used_without(m), m.charge.fixed)
+        m.supervisor.settings = msgspec.structs.replace(m.supervisor.settings, memory_limit_bytes=share)
+        m.supervisor.on_fatal = self.on_fatal if at_start else (lambda reason: self._load_failed(m, reason))
+        m.failure = None
+        m.idle_until = math.inf
+        m.unload_requested = False
+        log.info("loading %s (%s of the %s budget in use)", m.name, format_size(self._used_without(m)),
+                 format_size(self.budget))
+        await m.supervisor.start()
+
+    def _load_failed(self, m: PooledModel, reason: str) -> None:
+        log.error("%s could not load: %s", m.name, reason)
+        m.failure = reason
+        self.link.notify()  # its waiting requests learn it now
+        self._notify()
+
+    async def _stop(self, m: PooledModel, why: str) -> None:
+        if not m.running:
+            return
+        log.info("unloading %s: %s", m.name, why)
+        await m.supervisor.stop()
+        m.charge.kv_reserved = 0
+        self._notify()
+
+    async def _unload_if_idle(self, m: PooledModel) -> None:
+        async with self._lock:
+            if m.users == 0 and m.running and (m.unload_requested or not m.pinned and time.monotonic() >= m.idle_until):
+                await self._stop(m, "idle past its keep-alive")
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL_S)
+            now = time.monotonic()
+            for m in list(self.models.values()):
+                if m.running and m.users == 0 and now >= m.idle_until:
+                    await self._unload_if_idle(m)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
