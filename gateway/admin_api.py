@@ -30,7 +30,7 @@ class AdminAPI:
     async def load(self, request: Request) -> Response:
         """Load the model, unloading idle ones to make room; answers once it is ready (503 past --worker-wait-s)."""
         name = self._model(request)
-        lease, _ = await self.serving.lease(name)
+        lease, _ = await self.serving.lease(name, retry_failed=True)
         lease.release()
         return MsgspecResponse({"model": name, "status": self.serving.pool.status(name)})
 

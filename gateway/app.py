@@ -19,13 +19,14 @@ from starlette.routing import Route
 from gateway.admin_api import AdminAPI
 from gateway.anthropic_api import AnthropicAPI
 from gateway.curve import CurveError
+from gateway.embeddings_api import EmbeddingsAPI
 from gateway.errors import APIError, api_error_handler, http_error_handler, internal_error_handler
 from gateway.health import worker_status, workers_status
 from gateway.ledger import default_memory_budget
 from gateway.metrics import RequestCounter
 from gateway.openai_api import OpenAIAPI
 from gateway.openai_responses import ResponsesAPI, ResponseStore
-from gateway.pool import ModelPool, NoRoom
+from gateway.pool import ModelPool, Unavailable
 from gateway.responses import MsgspecResponse
 from gateway.security import Guard, KeyRing, check_bind_policy, keys_required
 from gateway.serving import Serving
@@ -88,6 +89,7 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
     api = OpenAIAPI(serving)
     anthropic = AnthropicAPI(serving)
     admin = AdminAPI(serving)
+    embeddings = EmbeddingsAPI(serving)
     responses = ResponsesAPI(serving, ResponseStore(settings.responses_store_max, settings.responses_store_ttl_s))
 
     async def health(request: Request) -> Response:
@@ -124,7 +126,7 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
         pool.on_fatal = app.state.fail
         try:
             await pool.start()
-        except NoRoom as e:
+        except Unavailable as e:
             app.state.fail(str(e))
         app.state.loop = asyncio.get_running_loop()
         if settings.api_key_file:
@@ -169,6 +171,7 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
             Route("/v1/models/{model:path}", api.model, methods=["GET"]),
             Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
             Route("/v1/completions", api.completions, methods=["POST"]),
+            Route("/v1/embeddings", embeddings.create, methods=["POST"]),
             Route("/v1/responses", responses.create, methods=["POST"]),
             Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
             Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),

@@ -7,7 +7,7 @@
   mlxd prepare-model [--model M]    download/import a model into the cache
   mlxd launchd install|uninstall|status|restart-worker   run as launchd jobs on a Mac
   mlxd keys generate DIR --name N   a CURVE key pair, for a worker on another Mac (tcp://)
-  mlxd ps [--url U] [--api-key K]   the workers of a running mlxd: model, pid, state, load
+  mlxd ps [--url U] [--api-key K]   the workers of a running mlxd: model, pid, state, load, memory
   mlxd --version                    mlxd's version, its protocol's, and the MLX packages'
 
 --model takes an mlx-lm directory, a .gguf file or a Hugging Face repo id; with
@@ -30,6 +30,7 @@ from pathlib import Path
 import msgspec
 
 from gateway.settings import GatewaySettings, PoolSettings
+from gateway.units import format_size
 from protocol import PROTOCOL_VERSION
 from protocol.settings import add_arguments, parse_settings, resolve
 from protocol.worker_settings import WorkerSettings, announced_name
@@ -138,9 +139,21 @@ def ps_main(argv: list[str]) -> int:
     if "workers" not in health:
         print("mlxd ps: the gateway shows its workers only with an API key (--api-key)", file=sys.stderr)
         return 1
-    rows = [("MODEL", "PID", "STATE", "RUNNING", "WAITING", "STEPS", "CONTEXT", "UP")]
+    models = health.get("pool", {}).get("models", {})
+
+    def until(w: dict) -> str:
+        """When the pool unloads the worker's model: in N s, once idle (-), never, or not the pool's (remote)."""
+        if w.get("remote", True):
+            return "remote"
+        model = models.get(w["model"], {})
+        if model.get("pinned"):
+            return "never"
+        return "-" if model.get("unloads_in_s") is None else f"{model['unloads_in_s']:.0f}s"
+
+    rows = [("MODEL", "PID", "STATE", "RUNNING", "WAITING", "STEPS", "CONTEXT", "MEMORY", "UNLOADS", "UP")]
     rows += [(w["model"], str(w["pid"]), w["state"], str(w["running"]), str(w["waiting"]), str(w["steps"]),
-              str(w["context_length"]), f"{w['up_s']:.0f}s") for w in health["workers"]]
+              str(w["context_length"]), format_size(w["memory"]["active"]).replace(" ", "") if "memory" in w else "-", until(w),
+              f"{w['up_s']:.0f}s") for w in health["workers"]]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())

@@ -1,19 +1,21 @@
-"""`mlxd launchd ...`: run mlxd on a Mac as two launchd jobs, gateway and worker.
+"""`mlxd launchd ...`: run mlxd on a Mac as launchd jobs: the gateway, and a worker per model.
 
-Two jobs, so that ops can restart the worker alone (`restart-worker`, which is
-`launchctl kickstart -k`) while the gateway keeps every client connected: the
-worker drains and hands its requests back, the gateway resumes them on the
-next worker.
+Jobs of their own, so that ops can restart a worker alone (`restart-worker`,
+which is `launchctl kickstart -k`) while the gateway keeps every client
+connected: the worker drains and hands its requests back, the gateway resumes
+them on the next worker. One model's worker is `com.mlxd.worker`; with several
+`--model NAME=SOURCE`, each has its own job, `com.mlxd.worker.NAME`, always
+loaded (launchd keeps it running, as `mlxd serve --pin` would).
 
 Secrets never sit in a world-readable file: --api-key values go to a key file
 (0600) that the gateway's plist names, and the plists themselves are 0600. An
 install whose gateway would be refused at every start (beyond loopback with no
 key) is refused now.
 
-  install [--system] [--dry-run --output DIR] [settings...]
+  install [--system] [--dry-run --output DIR] [--model NAME=SOURCE ...] [settings...]
   uninstall [--system]
   status [--system]
-  restart-worker [--system]
+  restart-worker [--system] [--model NAME]
 """
 
 from __future__ import annotations
@@ -34,10 +36,10 @@ import msgspec
 from gateway.security import KeyRing, keys_required
 from gateway.settings import GatewaySettings
 from protocol.settings import add_arguments, resolve, to_environment
-from protocol.worker_settings import WorkerSettings
+from protocol.worker_settings import WorkerSettings, announced_name
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
-LABELS = {"gateway": "com.mlxd.gateway", "worker": "com.mlxd.worker"}
+PREFIX = "com.mlxd."
 NEWSYSLOG = Path("/etc/newsyslog.d/mlxd.conf")
 
 
@@ -67,7 +69,12 @@ class Layout:
         self.key_file = home / ".mlxd" / "api-keys"
 
     def target(self, job: str) -> str:
-        return f"{self.domain}/{LABELS[job]}"
+        return f"{self.domain}/{PREFIX}{job}"
+
+    def installed(self) -> list[str]:
+        """The jobs installed here: the gateway, then its workers ("worker", "worker.NAME")."""
+        workers = sorted(p.name[len(PREFIX):-len(".plist")] for p in self.plist_dir.glob(f"{PREFIX}worker*.plist"))
+        return ["gateway", *(workers or ["worker"])]
 
 
 def _fill(value, names: dict[str, str]):
@@ -118,29 +125,46 @@ def checked_gateway(layout: Layout, gateway: GatewaySettings) -> tuple[GatewaySe
     return msgspec.structs.replace(gateway, api_key=[], api_key_file=str(layout.key_file)), gateway.api_key
 
 
-def render(layout: Layout, gateway: GatewaySettings, worker: WorkerSettings) -> dict[str, dict]:
-    """The two job definitions, as dicts ready for plistlib."""
+def worker_jobs(worker: WorkerSettings, models: list[str]) -> dict[str, WorkerSettings]:
+    """The worker jobs: "worker" for one model, "worker.NAME" for each of several (named NAME=SOURCE)."""
+    if len(models) <= 1:
+        return {"worker": msgspec.structs.replace(worker, model=models[0]) if models else worker}
+    jobs = {f"worker.{announced_name(msgspec.structs.replace(worker, model=m))}":
+            msgspec.structs.replace(worker, model=m) for m in models}
+    if len(jobs) != len(models):
+        raise LaunchdError(f"--model: two models have one name ({', '.join(models)}); name each as NAME=SOURCE")
+    return jobs
+
+
+def render(layout: Layout, gateway: GatewaySettings, workers: dict[str, WorkerSettings]) -> dict[str, dict]:
+    """The job definitions (the gateway, then each worker), as dicts ready for plistlib."""
     names = {"MLXD": str(mlxd_executable()), "LOG_DIR": str(layout.log_dir), "HOME": str(layout.home)}
     common = {"HOME": str(layout.home), "PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "MLXD_WORKER_ENDPOINT": layout.endpoint}
     jobs = {}
-    for job, settings in (("gateway", gateway), ("worker", worker)):
-        with open(DEPLOY / f"{LABELS[job]}.plist", "rb") as f:
+    for job, settings in (("gateway", gateway), *workers.items()):
+        with open(DEPLOY / f"{PREFIX}{job.partition('.')[0]}.plist", "rb") as f:
             plist = _fill(plistlib.load(f), names)
+        plist["Label"] = PREFIX + job
+        plist["StandardOutPath"] = plist["StandardErrorPath"] = f"{layout.log_dir}/{job}.log"
         env = to_environment(settings)
         env.update(common)
         plist["EnvironmentVariables"] = dict(sorted(env.items()))
         # launchd's SIGKILL must not cut the drain short.
-        plist["ExitTimeOut"] = int(max(gateway.drain_s, worker.drain_s)) + 10
+        plist["ExitTimeOut"] = int(max(gateway.drain_s, *(w.drain_s for w in workers.values()))) + 10
         if layout.system:
             plist["UserName"] = layout.user.pw_name
         jobs[job] = plist
     return jobs
 
 
-def newsyslog(layout: Layout) -> str:
+def newsyslog(layout: Layout, jobs: list[str]) -> str:
+    """The log rotation entries: the template's comments, then its line for each job's log."""
     group = grp.getgrgid(layout.user.pw_gid).gr_name
-    text = (DEPLOY / "newsyslog.conf").read_text()
-    return _fill(text, {"LOG_DIR": str(layout.log_dir), "OWNER": f"{layout.user.pw_name}:{group}"})
+    text = _fill((DEPLOY / "newsyslog.conf").read_text(),
+                 {"LOG_DIR": str(layout.log_dir), "OWNER": f"{layout.user.pw_name}:{group}"})
+    comments = [line for line in text.splitlines() if line.startswith("#")]
+    line = next(line for line in text.splitlines() if "@JOB@" in line)
+    return "\n".join([*comments, *(line.replace("@JOB@", job) for job in jobs)]) + "\n"
 
 
 def _launchctl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -171,11 +195,11 @@ def install(layout: Layout, jobs: dict[str, dict], keys: list[str], output: Path
     if output is not None:
         output.mkdir(parents=True, exist_ok=True)
         for job, plist in jobs.items():
-            write_private(output / f"{LABELS[job]}.plist", plistlib.dumps(plist))
-        (output / "mlxd.newsyslog.conf").write_text(newsyslog(layout))
+            write_private(output / f"{PREFIX}{job}.plist", plistlib.dumps(plist))
+        (output / "mlxd.newsyslog.conf").write_text(newsyslog(layout, list(jobs)))
         if keys:
             write_private(output / layout.key_file.name, key_file_text(keys))
-        print(f"wrote {', '.join(f'{label}.plist' for label in LABELS.values())}, mlxd.newsyslog.conf"
+        print(f"wrote {', '.join(f'{PREFIX}{job}.plist' for job in jobs)}, mlxd.newsyslog.conf"
               f"{f' and {layout.key_file.name} (installed as {layout.key_file})' if keys else ''} to {output}")
         return
     layout.plist_dir.mkdir(parents=True, exist_ok=True)
@@ -186,31 +210,35 @@ def install(layout: Layout, jobs: dict[str, dict], keys: list[str], output: Path
         layout.key_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_private(layout.key_file, key_file_text(keys), layout.user if layout.system else None)
         print(f"API keys: {layout.key_file} (0600; add or revoke keys there, then `launchctl kill HUP` the gateway)")
-    for job in ("gateway", "worker"):
-        path = layout.plist_dir / f"{LABELS[job]}.plist"
+    for job in layout.installed()[1:]:
+        if job not in jobs:  # an earlier install's worker of a model this one does not serve
+            _launchctl("bootout", layout.target(job), check=False)
+            (layout.plist_dir / f"{PREFIX}{job}.plist").unlink(missing_ok=True)
+    for job in jobs:
+        path = layout.plist_dir / f"{PREFIX}{job}.plist"
         _launchctl("bootout", layout.target(job), check=False)  # an earlier install, if any
         # 0600: the gateway's environment may hold a metrics key.
         write_private(path, plistlib.dumps(jobs[job]))
         _launchctl("bootstrap", layout.domain, str(path))
         print(f"installed and started {layout.target(job)} ({path})")
     try:
-        NEWSYSLOG.write_text(newsyslog(layout))
+        NEWSYSLOG.write_text(newsyslog(layout, list(jobs)))
         print(f"log rotation: {NEWSYSLOG}")
     except PermissionError:
-        print(f"log rotation needs root: sudo tee {NEWSYSLOG} <<'EOF'\n{newsyslog(layout)}EOF")
-    print(f"logs: {layout.log_dir}/gateway.log and worker.log")
+        print(f"log rotation needs root: sudo tee {NEWSYSLOG} <<'EOF'\n{newsyslog(layout, list(jobs))}EOF")
+    print(f"logs: {', '.join(f'{layout.log_dir}/{job}.log' for job in jobs)}")
 
 
 def uninstall(layout: Layout) -> None:
-    for job in ("worker", "gateway"):
+    for job in reversed(layout.installed()):
         _launchctl("bootout", layout.target(job), check=False)
-        path = layout.plist_dir / f"{LABELS[job]}.plist"
+        path = layout.plist_dir / f"{PREFIX}{job}.plist"
         path.unlink(missing_ok=True)
         print(f"removed {layout.target(job)}")
 
 
 def status(layout: Layout, port: int) -> None:
-    for job in ("gateway", "worker"):
+    for job in layout.installed():
         result = _launchctl("print", layout.target(job), check=False)
         keep = ("state =", "pid =", "last exit code =", "runs =")
         lines = [line.strip() for line in result.stdout.splitlines() if line.strip().startswith(keep)]
@@ -222,9 +250,16 @@ def status(layout: Layout, port: int) -> None:
         print(f"/health: no answer ({e})")
 
 
-def restart_worker(layout: Layout) -> None:
-    _launchctl("kickstart", "-k", layout.target("worker"))
-    print(f"restarted {layout.target('worker')}: it drains, hands its requests back, and a new one takes over")
+def restart_worker(layout: Layout, model: str | None) -> None:
+    """Restart one model's worker (`model`: its NAME), or every worker."""
+    workers = layout.installed()[1:]
+    if model is not None:
+        if f"worker.{model}" not in workers:
+            raise LaunchdError(f"no worker job for the model {model!r} (installed: {', '.join(workers)})")
+        workers = [f"worker.{model}"]
+    for job in workers:
+        _launchctl("kickstart", "-k", layout.target(job))
+        print(f"restarted {layout.target(job)}: it drains, hands its requests back, and a new one takes over")
 
 
 def main(argv: list[str]) -> int:
@@ -242,6 +277,12 @@ def main(argv: list[str]) -> int:
             sub.add_argument("--output", type=Path, help="with --dry-run: where to write the plists")
             add_arguments(sub, WorkerSettings, exclude=frozenset({"worker_endpoint", "parent_pid"}))
             add_arguments(sub, GatewaySettings, exclude=frozenset({"worker_endpoint"}))
+            sub.add_argument("--model", action="append", default=None, help=(
+                "a model, as SOURCE or NAME=SOURCE; repeatable: each one in a worker job of its own "
+                "(com.mlxd.worker.NAME), named NAME=SOURCE"))
+        if name == "restart-worker":
+            sub.add_argument("--model", default=None, help="the NAME of the model whose worker to restart "
+                             "(default: every worker)")
         if name == "status":
             sub.add_argument("--port", type=int, default=8000, help="the gateway's port, for /health")
     args = parser.parse_args(argv)
@@ -251,14 +292,16 @@ def main(argv: list[str]) -> int:
             if args.dry_run != (args.output is not None):
                 parser.error("--dry-run and --output go together")
             gateway, keys = checked_gateway(layout, resolve(GatewaySettings, args, environ={}))
-            worker = resolve(WorkerSettings, args, environ={})
-            install(layout, render(layout, gateway, worker), keys, args.output)
+            models = args.model or []
+            args.model = None
+            workers = worker_jobs(resolve(WorkerSettings, args, environ={}), models)
+            install(layout, render(layout, gateway, workers), keys, args.output)
         elif args.command == "uninstall":
             uninstall(layout)
         elif args.command == "status":
             status(layout, args.port)
         else:
-            restart_worker(layout)
+            restart_worker(layout, args.model)
     except (LaunchdError, ValueError, KeyError, PermissionError) as e:
         hint = " (--dry-run --output DIR writes the plists without it)" if args.command == "install" else ""
         print(f"mlxd launchd: error: {e}{hint if 'launchctl not found' in str(e) else ''}", file=sys.stderr)

@@ -318,3 +318,37 @@ class Model(msgspec.Struct):
 class ModelList(msgspec.Struct):
     data: list[Model]
     object: str = "list"
+
+
+# ---- embeddings ---------------------------------------------------------------
+
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str
+    # A text, token ids, or a list of either (checked in gateway/embeddings_api.py: a union of
+    # list types is not one msgspec can tell apart).
+    input: str | Annotated[list[Any], Meta(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Meta(ge=1)] | None = None
+    user: str | None = None
+    keep_alive: KeepAlive = None
+
+
+class Embedding(msgspec.Struct):
+    index: int
+    embedding: list[float] | str  # base64 of little-endian float32, when asked for
+    object: str = "embedding"
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(msgspec.Struct):
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+    object: str = "list"

@@ -15,8 +15,8 @@ sent to a worker: a request that cannot fit is refused with a 503 and
 Retry-After before its 200, never discovered by an out-of-memory crash.
 
 Workers that connect on their own (`mlxd gateway`, replicas, other Macs) are
-not the pool's: a request for one of their models takes a Lease that loads
-nothing and reserves nothing.
+not the pool's: a request for one of their models (one the pool has not
+loaded) takes a Lease that loads nothing and reserves nothing.
 """
 
 from __future__ import annotations
@@ -39,12 +39,19 @@ from protocol.worker_settings import WorkerSettings, announced_name, model_sourc
 log = logging.getLogger("mlxd.gateway.pool")
 
 REAP_INTERVAL_S = 0.25
-# What a client is told to wait before retrying a request the pool has no room for.
+# What a client is told to wait before retrying a request the pool cannot serve now.
 RETRY_AFTER_S = 5
+# How long a model that could not load answers its requests with the reason
+# before a request tries to load it again (an admin load tries at once).
+FAILED_LOAD_HOLD_S = 30.0
 
 
-class NoRoom(Exception):
-    """The pool cannot run this now: the message says why, for the 503."""
+class Unavailable(Exception):
+    """The pool cannot serve this now: the message says why, and the code what for, in the 503."""
+
+    def __init__(self, message: str, code: str = "no_room") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -57,6 +64,7 @@ class PooledModel:
     last_used: float = 0.0
     idle_until: float = math.inf  # when it is unloaded, once idle
     failure: str | None = None  # why its last load failed, until the next
+    failed_at: float = 0.0
     unload_requested: bool = False  # by an admin, while requests ran: it unloads when they end
 
     @property
@@ -79,7 +87,7 @@ class Lease:
     released: bool = field(default=False)
 
     async def reserve(self, nbytes: int) -> None:
-        """Reserve KV memory for the request (NoRoom if it does not fit)."""
+        """Reserve KV memory for the request (Unavailable if it does not fit)."""
         if self.model is not None:
             await self.pool.reserve(self.model, nbytes)
             self.reserved += nbytes
@@ -138,7 +146,7 @@ class ModelPool:
                 async with self._lock:
                     if self._room_for(m, m.charge.fixed, idle_only=True) != []:
                         if m.pinned:
-                            raise NoRoom(f"the pinned model {m.name} does not fit: {self._why_no_room(m)}")
+                            raise Unavailable(f"the pinned model {m.name} does not fit: {self._why_no_room(m)}")
                         log.warning("--preload: %s is left unloaded: %s", m.name, self._why_no_room(m))
                         continue
                     await self._start(m, at_start=True)
@@ -156,13 +164,17 @@ class ModelPool:
 
     # ---- what requests use ---------------------------------------------------
 
-    async def lease(self, name: str, keep_alive_s: float | None, wait_s: float) -> Lease:
+    async def lease(self, name: str, keep_alive_s: float | None, wait_s: float, retry_failed: bool = False) -> Lease:
         """Hold `name` for a request, starting it if it is not loaded (making
-        room first); NoRoom if no room is made within wait_s."""
+        room first). Unavailable if no room is made within wait_s, or while
+        its last load's failure holds (unless retry_failed)."""
         m = self.models.get(name)
+        if m is None or not m.running and self._served_elsewhere(name):
+            return Lease(self, None, keep_alive_s)
         lease = Lease(self, m, keep_alive_s)
-        if m is None:
-            return lease
+        if (m.load_error() is not None and not retry_failed
+                and time.monotonic() - m.failed_at < FAILED_LOAD_HOLD_S):
+            raise Unavailable(f"the model {name} cannot load: {m.failure}", "model_load_failed")
         m.users += 1
         m.last_used = time.monotonic()
         try:
@@ -174,15 +186,16 @@ class ModelPool:
 
     async def reserve(self, m: PooledModel, nbytes: int) -> None:
         """Charge a request's KV state to its model, unloading idle models to
-        make room; NoRoom if the budget cannot hold it now."""
+        make room; Unavailable if the budget cannot hold it now."""
         async with self._lock:
             victims = self._room_for(m, m.charge.total + nbytes, idle_only=True)
             if victims is None:
                 never = nbytes + m.charge.fixed > self.budget
-                raise NoRoom(
+                raise Unavailable(
                     f"the request's KV reservation ({format_size(nbytes)}: its prompt plus max_tokens) does not fit "
                     f"in the memory budget ({format_size(self.budget)}, {format_size(self.used)} in use)"
-                    + ("; lower max_tokens" if never else "; retry when running requests have finished"))
+                    + ("; lower max_tokens" if never else "; retry when running requests have finished"),
+                    "memory_budget_exceeded")
             for victim in victims:
                 await self._stop(victim, f"making room for a request to {m.name}")
             m.charge.kv_reserved += nbytes
@@ -266,6 +279,11 @@ class ModelPool:
         if measured is not None:
             m.charge.weights = measured
 
+    def _served_elsewhere(self, name: str) -> bool:
+        """A ready worker the pool did not start (a replica, another Mac) serves the name."""
+        local = {m.supervisor.process.pid for m in self.models.values() if m.supervisor.process}
+        return any(w.ready and name in w.names and w.hello.pid not in local for w in self.link.workers.values())
+
     def _used_without(self, m: PooledModel) -> int:
         return sum(o.charge.total for o in self.models.values() if o.running and o is not m)
 
@@ -281,12 +299,12 @@ class ModelPool:
                     await self._start(m)
                     return
                 if self._room_for(m, m.charge.fixed, idle_only=False) is None:
-                    raise NoRoom(f"the model {m.name} cannot load: {self._why_no_room(m)}")
+                    raise Unavailable(f"the model {m.name} cannot load: {self._why_no_room(m)}")
                 changed = self._changed
             try:
                 await asyncio.wait_for(changed.wait(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
-                raise NoRoom(f"no room to load {m.name} within the wait: {self._why_no_room(m)}; "
+                raise Unavailable(f"no room to load {m.name} within the wait: {self._why_no_room(m)}; "
                              "the models in the way are busy") from None
 
     def _room_for(self, m: PooledModel, need: int, idle_only: bool) -> list[PooledModel] | None:
@@ -334,7 +352,7 @@ class ModelPool:
 
     def _load_failed(self, m: PooledModel, reason: str) -> None:
         log.error("%s could not load: %s", m.name, reason)
-        m.failure = reason
+        m.failure, m.failed_at = reason, time.monotonic()
         self.link.notify()  # its waiting requests learn it now
         self._notify()
 

@@ -32,7 +32,7 @@ from gateway.metrics import Metrics
 from gateway.output_processor import Delta, RequestGroup, RequestState, TokenInfo
 from gateway.parsing import ToolCall, stream_parsers
 from gateway.plan import ChatInput, DocumentStart, Plan
-from gateway.pool import RETRY_AFTER_S, Lease, ModelPool, NoRoom
+from gateway.pool import RETRY_AFTER_S, Lease, ModelPool, Unavailable
 from gateway.responses import EventStream, MsgspecResponse
 from gateway.settings import GatewaySettings
 from gateway.structured import FAMILY_OF_PARSER
@@ -149,11 +149,13 @@ class Serving:
             code="model_not_found",
         )
 
-    async def lease(self, model: str, keep_alive_s: float | None = None) -> tuple[Lease, WorkerState]:
+    async def lease(self, model: str, keep_alive_s: float | None = None,
+                    retry_failed: bool = False) -> tuple[Lease, WorkerState]:
         """A lease on `model` (loaded by the pool if need be) and a ready worker
         serving it: 404 for a name this server does not serve; 503 when no
-        worker is ready within --worker-wait-s, or the pool has no room. The
-        caller releases the lease."""
+        worker is ready within --worker-wait-s, the pool has no room, or the
+        model could not load (retry_failed: try again at once). The caller
+        releases the lease."""
         if self.draining:
             raise unavailable("the server is shutting down")
         names = self.model_names()
@@ -161,9 +163,10 @@ class Serving:
         wait_s = self.settings.worker_wait_s
         deadline = time.monotonic() + wait_s
         try:
-            lease = await self.pool.lease(name, keep_alive_s, wait_s) if name else Lease(self.pool, None, None)
-        except NoRoom as e:
-            raise unavailable(str(e), "no_room") from None
+            lease = (await self.pool.lease(name, keep_alive_s, wait_s, retry_failed) if name
+                     else Lease(self.pool, None, None))
+        except Unavailable as e:
+            raise unavailable(str(e), e.code) from None
         try:
             worker = await self.link.ready_worker(max(0.0, deadline - time.monotonic()), name,
                                                   lease.model.load_error if lease.model else None)
@@ -300,8 +303,8 @@ class Serving:
                                         for s in group.states))
                 for state in group.states:
                     self.link.submit(state, worker)
-            except NoRoom as e:
-                raise unavailable(str(e), "memory_budget_exceeded") from None
+            except Unavailable as e:
+                raise unavailable(str(e), e.code) from None
             except WorkerUnavailable as e:
                 raise unavailable(str(e)) from None
             for state in group.states:

@@ -66,6 +66,7 @@ class WorkerSupervisor:
         return self._task is not None and not self._task.done() and not self._stopping
 
     async def start(self) -> None:
+        self.link.load_failures.pop(self.model, None)  # an earlier start's
         self._stopping = False
         self._task = asyncio.create_task(self._run(), name="mlxd-supervisor")
 
@@ -118,8 +119,7 @@ class WorkerSupervisor:
 
     async def _fail_to_start(self) -> None:
         def failure() -> LoadFailed | None:
-            last = self.link.load_failure
-            return last if last is not None and last.model == self.model else None
+            return self.link.load_failures.get(self.model)
 
         deadline = time.monotonic() + LOAD_FAILED_WAIT_S
         while failure() is None and time.monotonic() < deadline:

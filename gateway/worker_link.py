@@ -49,6 +49,8 @@ from protocol import (
     Abort,
     AffinityReport,
     Draining,
+    Embed,
+    Embeddings,
     Error,
     Goodbye,
     Heartbeat,
@@ -78,6 +80,10 @@ AFFINITY_SLACK = 4
 
 class WorkerUnavailable(Exception):
     pass
+
+
+class WorkerRejected(Exception):
+    """The worker could not act on the request: its message says why."""
 
 
 @dataclass
@@ -132,9 +138,13 @@ class WorkerLink:
         self.served_model_name = list(served_model_name)
         # The last worker that could not load its model, until one is accepted.
         self.load_failure: LoadFailed | None = None
+        # Every model's last failure to load, by its --model value (a supervisor's own look-up).
+        self.load_failures: dict[str, LoadFailed] = {}
         self.stats = LinkStats()
         self.outputs = OutputProcessor()  # every unfinished request
         self._resume_by: dict[str, float] = {}  # request id -> deadline to get a worker
+        # Embed requests sent, by id -> (the worker's identity, the future of its answer).
+        self._embeds: dict[str, tuple[bytes, asyncio.Future[Embeddings]]] = {}
         self._ready = asyncio.Event()  # some worker is ready
         self._changed = asyncio.Event()  # set, and replaced, whenever a worker comes, goes or changes state
         self._tasks: list[asyncio.Task] = []
@@ -207,6 +217,25 @@ class WorkerLink:
         state.model_digest, state.model_names = digest, prepared_by.names
         self.outputs.add(state)
         self._dispatch(state)
+
+    async def embed(self, request_id: str, inputs: list[list[int]], prepared_by: WorkerState) -> Embeddings:
+        """Embed the inputs on the least loaded ready worker serving
+        `prepared_by`'s weights. WorkerUnavailable if there is none or it is
+        lost meanwhile (embedding again is cheap: the client may retry);
+        WorkerRejected if the worker cannot embed them."""
+        digest = prepared_by.hello.model_digest
+        ready = [w for w in self.workers.values() if w.ready and w.hello.model_digest == digest]
+        if not ready:
+            raise WorkerUnavailable("the worker went away")
+        load = Counter(s.worker for s in self.outputs)
+        worker = min(ready, key=lambda w: load[w.identity])
+        answer: asyncio.Future[Embeddings] = asyncio.get_running_loop().create_future()
+        self._embeds[request_id] = (worker.identity, answer)
+        try:
+            self._send(worker.identity, Embed(request_id, inputs))
+            return await answer
+        finally:
+            self._embeds.pop(request_id, None)
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop requests whose client is done with them, and tell their workers
@@ -291,7 +320,7 @@ class WorkerLink:
                 continue
             if isinstance(message, LoadFailed):
                 log.error("worker pid %d cannot load its model %r: %s", message.pid, message.model, message.reason)
-                self.load_failure = message
+                self.load_failure = self.load_failures[message.model] = message
                 self.notify()
                 continue
             if isinstance(message, Heartbeat):  # from the worker's own heartbeat socket: known by its epoch
@@ -308,6 +337,9 @@ class WorkerLink:
                     self._send(w.identity, Abort(aborts))
             elif isinstance(message, Error):
                 self._on_error(message)
+            elif isinstance(message, Embeddings):
+                if (pending := self._embeds.get(message.request_id)) is not None and not pending[1].done():
+                    pending[1].set_result(message)
             elif isinstance(message, Draining):
                 w.vitals.draining = True
                 self._assess(w)
@@ -452,6 +484,10 @@ class WorkerLink:
         if error.request_id is None:
             log.warning("the worker could not read a message: %s", error.message)
             return
+        if (pending := self._embeds.get(error.request_id)) is not None:
+            if not pending[1].done():
+                pending[1].set_exception(WorkerRejected(error.message))
+            return
         self.outputs.fail(error.request_id, f"the worker rejected the request: {error.message}", 500)
 
     def _lose_worker(self, w: WorkerState, why: str, handed_back: set[str]) -> None:
@@ -460,6 +496,9 @@ class WorkerLink:
         log.warning("worker pid %d lost: %s", w.hello.pid, why)
         self._update_ready()
         self.stats.workers_lost += 1
+        for identity, answer in self._embeds.values():
+            if identity == w.identity and not answer.done():
+                answer.set_exception(WorkerUnavailable(f"the worker was lost while embedding: {why}"))
         deadline = time.monotonic() + self.worker_wait_s
         for state in list(self.outputs):
             if state.worker != w.identity:

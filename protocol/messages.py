@@ -15,7 +15,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class _Message(msgspec.Struct, array_like=True, tag_field="type", omit_defaults=False):
@@ -83,7 +83,15 @@ class Abort(_Message, tag="abort"):
     request_ids: list[str]
 
 
-ToWorker = Welcome | Refused | AddRequest | Abort
+class Embed(_Message, tag="embed"):
+    """Embed each input (token ids) with the model's final hidden states,
+    pooled as the model says (worker/embed.py); answered by one Embeddings."""
+
+    request_id: str
+    inputs: list[list[int]]
+
+
+ToWorker = Welcome | Refused | AddRequest | Abort | Embed
 
 
 # ---- worker -> gateway ------------------------------------------------------
@@ -244,4 +252,13 @@ class LoadFailed(_Message, tag="load_failed"):
 # The exit status of a worker whose model cannot be loaded (after LoadFailed).
 EXIT_LOAD_FAILED = 3
 
-FromWorker = Hello | StepOutput | Heartbeat | Draining | Error | Goodbye | LoadFailed
+class Embeddings(_Message, tag="embeddings"):
+    """The vectors of an Embed's inputs, in order: float32, little-endian,
+    `dimensions` values each, one after another."""
+
+    request_id: str
+    dimensions: int
+    vectors: bytes
+
+
+FromWorker = Hello | StepOutput | Heartbeat | Draining | Error | Goodbye | LoadFailed | Embeddings

@@ -174,8 +174,9 @@ def test_sigterm_after_a_clean_drain_exits_0(grouped):
 
 
 def test_serve_fails_when_the_model_cannot_load(tmp_path):
+    """At start (--preload; without it, the model's requests get the reason: tests/test_pool.py)."""
     started = time.monotonic()
-    result = mlxd("serve", "--model", str(tmp_path / "nope"), "--port", str(free_port()), timeout=60)
+    result = mlxd("serve", "--preload", "--model", str(tmp_path / "nope"), "--port", str(free_port()), timeout=60)
     assert result.returncode == 1
     assert time.monotonic() - started < 30  # not one 30 s crash-loop retry
     last = result.stderr.strip().splitlines()[-1]

@@ -104,3 +104,30 @@ def test_api_keys_go_to_a_private_file_never_a_plist(tmp_path):
 def test_status_without_launchctl_suggests_nothing_that_does_not_apply():
     result = subprocess.run([*MLXD, "launchd", "status"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "macOS" in result.stderr and "--dry-run" not in result.stderr
+
+
+def test_several_models_get_a_worker_job_each(tmp_path):
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [*MLXD, "launchd", "install", "--dry-run", "--output", str(out), "--model", "chat=some/chat",
+         "--model", "coder=/models/coder", "--max-batch", "8"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in out.iterdir()) == [
+        "com.mlxd.gateway.plist", "com.mlxd.worker.chat.plist", "com.mlxd.worker.coder.plist", "mlxd.newsyslog.conf"]
+    workers = {}
+    for name in ("chat", "coder"):
+        with open(out / f"com.mlxd.worker.{name}.plist", "rb") as f:
+            workers[name] = plistlib.load(f)
+        plist = workers[name]
+        assert plist["Label"] == f"com.mlxd.worker.{name}" and plist["ProgramArguments"][1] == "worker"
+        assert plist["StandardOutPath"].endswith(f"mlxd/worker.{name}.log")
+        assert plist["EnvironmentVariables"]["MLXD_MAX_BATCH"] == "8"
+    assert workers["chat"]["EnvironmentVariables"]["MLXD_MODEL"] == "chat=some/chat"
+    assert workers["coder"]["EnvironmentVariables"]["MLXD_MODEL"] == "coder=/models/coder"
+    rotation = (out / "mlxd.newsyslog.conf").read_text()
+    assert [line.split()[0].rsplit("/", 1)[1] for line in rotation.splitlines() if not line.startswith("#")] == [
+        "gateway.log", "worker.chat.log", "worker.coder.log"]
+    twice = subprocess.run([*MLXD, "launchd", "install", "--dry-run", "--output", str(tmp_path / "again"),
+                            "--model", "a=x/y", "--model", "a=z/w"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60)
+    assert twice.returncode == 1 and "two models have one name" in twice.stderr

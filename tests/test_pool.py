@@ -3,13 +3,16 @@ each model in a worker of its own, each request routed by its model's name."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import threading
+import time
 
 import pytest
 
-from tests.conftest import MLXD, ROOT, free_port, running, wait_for
+from tests.conftest import MLXD, ROOT, Server, free_port, running, wait_for
 from tests.reference import Reference
 from tests.test_restarts import StreamReader
 from tests.tiny_model import make_tiny_model
@@ -92,10 +95,189 @@ def test_mlxd_ps_lists_each_models_worker(pool):
 
 
 def test_serve_ends_when_one_of_its_models_cannot_load(models, tmp_path):
-    """Whichever model's worker reports first: a model that cannot load at start ends `mlxd serve`."""
-    result = subprocess.run([*MLXD, "serve", "--model", f"alpha={models['alpha']}", "--model",
+    """With --preload, a model that cannot load at start ends `mlxd serve`, whichever worker reports first."""
+    result = subprocess.run([*MLXD, "serve", "--preload", "--model", f"alpha={models['alpha']}", "--model",
                              f"broken={tmp_path / 'nope'}", "--port", str(free_port())],
                             capture_output=True, text=True, timeout=90, cwd=ROOT)
     assert result.returncode == 1, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("mlxd: error: cannot load the model:") and "nope" in last, last
+
+
+# ---- the pool: models load when asked for, unload when idle or to make room ----
+
+LAZY = {"MLXD_PRELOAD": "false"}
+
+
+class Watcher(threading.Thread):
+    """Polls /health until stopped: the most workers ever connected at once."""
+
+    def __init__(self, server) -> None:
+        super().__init__(daemon=True)
+        self.server = server
+        self.most = 0
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            self.most = max(self.most, len(self.server.health()["workers"]))
+            time.sleep(0.02)
+
+    def stop(self) -> int:
+        self.stopped.set()
+        self.join()
+        return self.most
+
+
+def statuses(server) -> dict[str, str]:
+    return {m["id"]: m["status"] for m in server.http.get("/v1/models").json()["data"]}
+
+
+@pytest.fixture(scope="module")
+def lazy_pool(models):
+    args = ["serve", "--heartbeat-s", "0.1", "--max-loaded-models", "2", "--keep-alive", "10m"]
+    for name, path in models.items():
+        args += ["--model", f"{name}={path}"]
+    srv = Server(args, next(iter(models.values())).parent / "lazy.log", env=LAZY)
+    try:
+        wait_for(srv.answers, 60, "the gateway")
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_models_load_on_first_request_and_at_most_two_stay_loaded(lazy_pool, models):
+    assert lazy_pool.http.get("/ready").status_code == 200  # nothing has to load before requests come
+    assert set(statuses(lazy_pool).values()) == {"unloaded"} and lazy_pool.health()["workers"] == []
+    watcher = Watcher(lazy_pool)
+    watcher.start()
+    try:
+        for name in [*NAMES, NAMES[0]]:
+            ref = Reference(models[name])
+            assert complete(lazy_pool, name)["choices"][0]["text"] == ref.greedy(ref.text_prompt(PROMPT), 8).text
+            assert statuses(lazy_pool)[name] == "loaded"
+    finally:
+        most = watcher.stop()
+    assert most <= 2
+    # alpha was used last, gamma before it: beta, the least recently used, made room for alpha.
+    assert statuses(lazy_pool) == {"alpha": "loaded", "beta": "unloaded", "gamma": "loaded"}
+    pool = lazy_pool.health()["pool"]
+    assert pool["max_loaded_models"] == 2 and pool["used"] == sum(
+        m["memory"]["total"] for m in pool["models"].values() if "memory" in m)
+
+
+def test_two_models_answer_concurrently_and_a_third_waits_for_room(lazy_pool, models):
+    readers = []
+    for name in ("alpha", "beta"):
+        reader = StreamReader(lazy_pool.url, max_tokens=300)
+        reader.body["model"] = name
+        reader.start()
+        readers.append(reader)
+    watcher = Watcher(lazy_pool)
+    watcher.start()
+    try:
+        for reader in readers:
+            reader.wait_for_pieces(5, timeout=60)
+        # Both models are busy: gamma cannot evict either, so it loads once one of them is done.
+        ref = Reference(models["gamma"])
+        assert complete(lazy_pool, "gamma")["choices"][0]["text"] == ref.greedy(ref.text_prompt(PROMPT), 8).text
+        assert any(not r.is_alive() for r in readers)
+        for reader in readers:
+            reader.join(120)
+    finally:
+        most = watcher.stop()
+    assert most <= 2
+    for reader in readers:
+        ref = Reference(models[reader.body["model"]])
+        assert reader.failure is None and reader.errors == [] and reader.done
+        assert reader.text == ref.greedy(ref.text_prompt(reader.body["prompt"]), 300, ignore_eos=True).text
+
+
+def test_admin_unload_and_load(lazy_pool):
+    loaded = lazy_pool.http.post("/admin/models/beta/load")
+    assert loaded.status_code == 200 and loaded.json() == {"model": "beta", "status": "loaded"}
+    assert statuses(lazy_pool)["beta"] == "loaded"
+    pid = next(w["pid"] for w in lazy_pool.health()["workers"] if w["model"] == "beta")
+    unloaded = lazy_pool.http.post("/admin/models/beta/unload")
+    assert unloaded.status_code == 200 and unloaded.json() == {"model": "beta", "status": "unloaded"}
+    assert statuses(lazy_pool)["beta"] == "unloaded"
+    assert all(w["model"] != "beta" for w in lazy_pool.health()["workers"])
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 10, "beta's worker to exit")
+    missing = lazy_pool.http.post("/admin/models/delta/load")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_keep_alive_zero_unloads_the_model_after_its_answer(lazy_pool, models):
+    body = {"model": "beta", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "keep_alive": 0}
+    answer = lazy_pool.http.post("/v1/completions", json=body).json()
+    ref = Reference(models["beta"])
+    assert answer["choices"][0]["text"] == ref.greedy(ref.text_prompt(PROMPT), 8).text
+    wait_for(lambda: statuses(lazy_pool)["beta"] == "unloaded", 10, "beta to unload")
+    # A duration as text keeps it for that long.
+    body["keep_alive"] = "1m"
+    assert lazy_pool.http.post("/v1/completions", json=body).status_code == 200
+    time.sleep(1)
+    assert statuses(lazy_pool)["beta"] == "loaded"
+    assert lazy_pool.health()["pool"]["models"]["beta"]["unloads_in_s"] > 50
+
+
+@pytest.mark.parametrize("value", ["soon", "5 minutes", True, [1]])
+def test_a_bad_keep_alive_is_a_400_in_each_api(lazy_pool, value):
+    openai = lazy_pool.http.post("/v1/chat/completions", json={
+        "model": "alpha", "messages": [{"role": "user", "content": "hi"}], "keep_alive": value})
+    assert openai.status_code == 400 and openai.json()["error"]["param"] in ("keep_alive", "$.keep_alive", None)
+    assert "keep_alive" in openai.json()["error"]["message"]
+    anthropic = lazy_pool.http.post("/v1/messages", json={
+        "model": "alpha", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "keep_alive": value})
+    assert anthropic.status_code == 400 and anthropic.json()["type"] == "error"
+    assert "keep_alive" in anthropic.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def small_pool(models, tmp_path_factory):
+    """alpha in a budget that holds its weights and 1,000 tokens of KV state (512 bytes each); a model
+    that cannot load; requests that wait for a worker at most 0.3 s."""
+    weights = 492_800
+    args = ["serve", "--heartbeat-s", "0.1", "--model", f"alpha={models['alpha']}", "--model",
+            f"broken={tmp_path_factory.mktemp('nope')}", "--prefix-cache-bytes", "0",
+            "--memory-budget", str(weights + 1000 * 512), "--worker-wait-s", "0.3"]
+    srv = Server(args, tmp_path_factory.mktemp("small") / "serve.log", env=LAZY)
+    try:
+        wait_for(srv.answers, 60, "the gateway")
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_a_request_for_a_loading_model_waits_then_gets_a_503_with_retry_after(small_pool):
+    # alpha takes longer to load than --worker-wait-s (0.3 s): the request is told to come back.
+    refused = small_pool.http.post("/v1/completions", json={"model": "alpha", "prompt": PROMPT, "max_tokens": 2})
+    assert refused.status_code == 503 and int(refused.headers["retry-after"]) > 0
+    assert "within 0.3s" in refused.json()["error"]["message"]
+    assert statuses(small_pool)["alpha"] in ("loading", "loaded")
+    wait_for(lambda: statuses(small_pool)["alpha"] == "loaded", 60, "alpha to load")
+
+
+def test_a_model_that_cannot_load_fails_its_own_requests_with_the_reason(small_pool):
+    body = {"model": "broken", "prompt": PROMPT, "max_tokens": 2}
+    assert small_pool.http.post("/v1/completions", json=body).status_code == 503  # waited 0.3 s for it
+    wait_for(lambda: "load_error" in small_pool.health()["pool"]["models"]["broken"], 60, "broken's load to fail")
+    refused = small_pool.http.post("/v1/completions", json=body)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_load_failed"
+    assert "cannot load" in refused.json()["error"]["message"] and "nope" in refused.json()["error"]["message"]
+    assert statuses(small_pool)["broken"] == "unloaded"
+    assert small_pool.proc.poll() is None
+
+
+def test_a_budget_too_small_for_a_requests_reservation_is_a_503_before_the_200(small_pool, models):
+    wait_for(lambda: "choices" in complete(small_pool, "alpha"), 60, "alpha to load")
+    assert small_pool.health()["pool"]["models"]["alpha"]["memory"]["weights"] == 492_800
+    body = {"model": "alpha", "prompt": PROMPT, "max_tokens": 1200, "temperature": 0, "stream": True}
+    with small_pool.http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 503 and response.headers["retry-after"]
+        error = json.loads(response.read())["error"]
+    assert error["code"] == "memory_budget_exceeded" and "lower max_tokens" in error["message"]
+    # Nothing crashed, and a request that fits is answered.
+    ref = Reference(models["alpha"])
+    assert complete(small_pool, "alpha")["choices"][0]["text"] == ref.greedy(ref.text_prompt(PROMPT), 8).text
+    assert small_pool.health()["pool"]["models"]["alpha"]["memory"]["kv_reserved"] == 0

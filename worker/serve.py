@@ -22,6 +22,8 @@ from protocol import (
     Abort,
     AddRequest,
     Draining,
+    Embed,
+    Embeddings,
     Error,
     Goodbye,
     Heartbeat,
@@ -36,6 +38,7 @@ from protocol import (
 )
 from protocol.worker_settings import WorkerSettings
 from worker.audit import AffinityAudit
+from worker.embed import Embedder
 from worker.engine import Engine, InvalidRequest
 from worker.footprint import memory_stats
 from worker.heartbeat import HeartbeatThread
@@ -52,9 +55,11 @@ class GatewayRefused(Exception):
 
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, engine: Engine, hello: Hello, audit: AffinityAudit | None):
+    def __init__(self, settings: WorkerSettings, engine: Engine, hello: Hello, audit: AffinityAudit | None,
+                 embedder: Embedder | None = None):
         self.settings = settings
         self.engine = engine
+        self.embedder = embedder  # None: the model cannot embed
         self.hello = hello
         self.audit = audit
         self.welcomed = False
@@ -108,11 +113,26 @@ class Worker:
                         self.engine.add(message, buffers)
                     except InvalidRequest as e:
                         self.send(Error(message.request_id, str(e)))
+                case Embed():
+                    self.embed(message)
                 case Welcome(epoch=epoch) if epoch == self.hello.epoch and not self.welcomed:
                     self.welcomed = True  # a Welcome may come once per Hello sent
                     log.info("welcomed by the gateway")
                 case Refused(reason=reason):
                     raise GatewayRefused(reason)
+
+    def embed(self, request: Embed) -> None:
+        """Between steps: the running requests wait for it, as for a prefill."""
+        if self.embedder is None:
+            self.send(Error(request.request_id, "this model cannot embed (a vision model)"))
+            return
+        try:
+            vectors = self.embedder(request.inputs)
+        except Exception as e:  # a failed embedding must not take the running requests' worker down
+            log.exception("embedding failed")
+            self.send(Error(request.request_id, f"embedding failed: {e}"))
+            return
+        self.send(Embeddings(request.request_id, int(vectors.shape[1]), vectors.astype("<f4").tobytes()))
 
     def step(self) -> None:
         try:

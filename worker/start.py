@@ -14,6 +14,7 @@ import zmq
 from protocol import EXIT_LOAD_FAILED, PROTOCOL_VERSION, Hello, LoadFailed, encode
 from protocol.worker_settings import WorkerSettings, model_source, split_model
 from worker.audit import AffinityAudit
+from worker.embed import embedder_for
 from worker.engine import Engine
 from worker.footprint import kv_footprint, set_limits, weights_bytes
 from worker.grammar import Grammars
@@ -95,7 +96,7 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         kv_footprint=kv_footprint(text_model),
     )
     try:
-        worker = Worker(settings, engine, hello, affinity)
+        worker = Worker(settings, engine, hello, affinity, embedder_for(loaded.model, loaded.path) if not vision else None)
     except TransportError as e:
         log.error("%s", e)
         return 1

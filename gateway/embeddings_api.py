@@ -1,0 +1,100 @@
+"""POST /v1/embeddings, in OpenAI's shape: the model's pooled hidden states
+(worker/embed.py), from the same pool, ledger and admission as generation."""
+
+from __future__ import annotations
+
+import base64
+import math
+import uuid
+from array import array
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.errors import APIError, decode_body
+from gateway.openai_schema import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
+from gateway.plan import keep_alive_seconds
+from gateway.pool import Unavailable
+from gateway.responses import MsgspecResponse
+from gateway.serving import Serving, unavailable
+from gateway.worker_link import WorkerRejected, WorkerState, WorkerUnavailable
+
+
+def inputs_of(value: str | list) -> list[str | list[int]]:
+    """The body's `input` as a list of texts or token-id lists (a 400 for anything else)."""
+    if isinstance(value, str):
+        return [value]
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return [value]
+    if all(isinstance(v, str) for v in value):
+        return list(value)
+    if all(isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v) for v in value):
+        return list(value)
+    raise APIError(400, "input must be a string, a list of strings, a list of token ids, or a list of token-id lists",
+                   param="input")
+
+
+class EmbeddingsAPI:
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+
+    async def create(self, request: Request) -> Response:
+        serving = self.serving
+        body = decode_body(await serving.read_body(request), EmbeddingRequest)
+        inputs = inputs_of(body.input)
+        if any(len(i) == 0 for i in inputs):
+            raise APIError(400, "an input is empty", param="input")
+        lease, worker = await serving.lease(body.model, keep_alive_seconds(body.keep_alive))
+        release = None
+        try:
+            token_lists = [await self._tokens(worker, i) for i in inputs]
+            release = serving.admission.admit(request.scope["state"]["client_id"])
+            # What its forward pass holds is the KV state of its tokens, as a prefill's.
+            await lease.reserve(sum(worker.hello.kv_footprint.bytes_for(len(t)) for t in token_lists))
+            result = await serving.link.embed(f"embd-{uuid.uuid4().hex}", token_lists, worker)
+        except Unavailable as e:
+            raise unavailable(str(e), e.code) from None
+        except WorkerUnavailable as e:
+            raise unavailable(str(e)) from None
+        except WorkerRejected as e:
+            raise APIError(400, str(e), param="model") from None
+        finally:
+            if release is not None:
+                release()
+            lease.release()
+        vectors = array("f", result.vectors)
+        width = result.dimensions
+        if body.dimensions is not None and body.dimensions > width:
+            raise APIError(400, f"dimensions is {body.dimensions}; this model's embeddings have {width}",
+                           param="dimensions")
+        data = []
+        for index in range(len(token_lists)):
+            vector = vectors[index * width:(index + 1) * width]
+            if body.dimensions is not None and body.dimensions < width:
+                vector = shortened(vector, body.dimensions)
+            data.append(Embedding(index, base64.b64encode(vector.tobytes()).decode()
+                                  if body.encoding_format == "base64" else vector.tolist()))
+        tokens = sum(len(t) for t in token_lists)
+        return MsgspecResponse(EmbeddingList(data, body.model, EmbeddingUsage(tokens, tokens)))
+
+    async def _tokens(self, worker: WorkerState, value: str | list[int]) -> list[int]:
+        """One input's token ids, within the model's vocabulary and context (400s)."""
+        if isinstance(value, str):
+            tokens = await self.serving.tokenize(worker.tokenizer.encode_text, value, param="input")
+        else:
+            vocab = worker.hello.vocab_size
+            if (bad := next((t for t in value if not 0 <= t < vocab), None)) is not None:
+                raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="input")
+            tokens = value
+        if len(tokens) > worker.hello.context_length:
+            raise APIError(400, f"an input has {len(tokens)} tokens; this model's context is "
+                           f"{worker.hello.context_length}", param="input", code="context_length_exceeded")
+        return tokens
+
+
+def shortened(vector: array, dimensions: int) -> array:
+    """The first `dimensions` values, normalized again (how Matryoshka-trained models, e.g. Qwen3-Embedding,
+    are shortened; OpenAI's `dimensions` does the same)."""
+    head = vector[:dimensions]
+    norm = math.sqrt(sum(v * v for v in head)) or 1.0
+    return array("f", (v / norm for v in head))

@@ -1,0 +1,96 @@
+"""POST /v1/embeddings: the model's pooled final hidden states, equal to mlx-lm's in-process,
+through the OpenAI SDK and plain HTTP, in float and base64."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import openai
+import pytest
+
+from tests.conftest import MODEL_NAME, running
+from tests.reference import Reference
+
+TEXTS = ["Once upon a time", "the cat sat on the mat", "x"]
+
+
+def expected(reference: Reference, token_ids: list[int], pooling: str = "last") -> np.ndarray:
+    """mlx-lm in-process: the transformer's last hidden states, pooled and L2-normalized."""
+    hidden = reference.model.model(mx.array([token_ids]))[0].astype(mx.float32)
+    vector = hidden.mean(axis=0) if pooling == "mean" else hidden[-1]
+    return np.array(vector / mx.linalg.norm(vector))
+
+
+def test_embeddings_equal_mlx_lms_in_process_output(server, reference, validate):
+    response = server.http.post("/v1/embeddings", json={"model": MODEL_NAME, "input": TEXTS})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    validate(body, "CreateEmbeddingResponse")
+    assert [d["index"] for d in body["data"]] == [0, 1, 2]
+    prompts = [reference.text_prompt(t) for t in TEXTS]
+    for item, prompt in zip(body["data"], prompts):
+        np.testing.assert_allclose(item["embedding"], expected(reference, prompt), rtol=0, atol=1e-6)
+    assert body["usage"] == {"prompt_tokens": sum(map(len, prompts)), "total_tokens": sum(map(len, prompts))}
+
+
+def test_the_openai_sdk_gets_the_same_vectors_as_base64(server, reference):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    # The SDK asks for base64 and decodes it to floats itself.
+    result = client.embeddings.create(model=MODEL_NAME, input=TEXTS[0])
+    np.testing.assert_allclose(result.data[0].embedding, expected(reference, reference.text_prompt(TEXTS[0])),
+                               rtol=0, atol=1e-6)
+    raw = server.http.post("/v1/embeddings", json={"model": MODEL_NAME, "input": TEXTS[0],
+                                                   "encoding_format": "base64"}).json()
+    vector = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    assert vector.tolist() == result.data[0].embedding
+
+
+def test_token_ids_and_shortened_dimensions(server, reference):
+    ids = reference.text_prompt(TEXTS[1])
+    body = server.http.post("/v1/embeddings", json={"model": MODEL_NAME, "input": [ids, ids[:3]]}).json()
+    np.testing.assert_allclose(body["data"][0]["embedding"], expected(reference, ids), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(body["data"][1]["embedding"], expected(reference, ids[:3]), rtol=0, atol=1e-6)
+    short = server.http.post("/v1/embeddings", json={"model": MODEL_NAME, "input": ids, "dimensions": 8}).json()
+    head = expected(reference, ids)[:8]
+    np.testing.assert_allclose(short["data"][0]["embedding"], head / np.linalg.norm(head), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": ""}, "input"),
+    ({"input": []}, "input"),
+    ({"input": ["a", 1]}, "input"),
+    ({"input": [[1, 2], "a"]}, "input"),
+    ({"input": [10**9]}, "input"),
+    ({"input": [1] * 3000}, "input"),  # longer than the context
+    ({"input": "a", "dimensions": 100000}, "dimensions"),
+    ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "a", "keep_alive": "later"}, "keep_alive"),
+])
+def test_bad_input_is_a_400_naming_its_parameter(server, body, param):
+    response = server.http.post("/v1/embeddings", json={"model": MODEL_NAME, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] in (param, f"$.{param}") or param in error["message"]
+    unknown = server.http.post("/v1/embeddings", json={"model": "nope", "input": "a"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+
+
+def test_sentence_transformers_pooling_is_read_from_the_model(tiny_model, tmp_path):
+    """A model directory with modules.json and a mean-pooling module pools by the mean."""
+    model = tmp_path / "mean"
+    shutil.copytree(tiny_model, model)
+    (model / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (model / "1_Pooling").mkdir()
+    (model / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    with running(["serve", "--model", f"mean={model}"], tmp_path / "serve.log") as srv:
+        body = srv.http.post("/v1/embeddings", json={"model": "mean", "input": TEXTS[0]}).json()
+    reference = Reference(model)
+    np.testing.assert_allclose(body["data"][0]["embedding"],
+                               expected(reference, reference.text_prompt(TEXTS[0]), "mean"), rtol=0, atol=1e-6)
