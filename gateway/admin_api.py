@@ -21,7 +21,7 @@ class AdminAPI:
         """The pool's model the path names (404 for another)."""
         name = request.path_params["model"]
         pool = self.serving.pool
-        if name not in pool.models:
+        if pool.find(name) is None:
             served = ", ".join(pool.models) or "none: this gateway's workers connect on their own"
             raise APIError(404, f"'{name}' is not a model this server loads and unloads (those are: {served})",
                            type="not_found_error", param="model", code="model_not_found")
@@ -40,4 +40,5 @@ class AdminAPI:
         pool = self.serving.pool
         if await pool.unload(name):
             return MsgspecResponse({"model": name, "status": pool.status(name)})
-        return MsgspecResponse({"model": name, "status": "unloading", "requests": pool.models[name].users}, 202)
+        holding = pool.find(name)
+        return MsgspecResponse({"model": name, "status": "unloading", "requests": holding.users if holding else 0}, 202)

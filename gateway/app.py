@@ -72,6 +72,7 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
             keep_alive_s=parse_duration(pool_settings.keep_alive),
             pinned=pool_settings.pin,
             preload=pool_settings.preload,
+            served_model_name=settings.served_model_name if worker_settings else (),
             stop_timeout_s=settings.drain_s + 5,
         )
     except ValueError as e:

@@ -109,16 +109,19 @@ class ModelPool:
         keep_alive_s: float,
         pinned: Sequence[str] = (),
         preload: bool = False,
+        served_model_name: Sequence[str] = (),
         stop_timeout_s: float,
     ) -> None:
+        """served_model_name: the one model's names (--served-model-name), the first its own."""
         self.link = link
         self.budget = budget
         self.max_loaded = max_loaded
         self.keep_alive_s = keep_alive_s
         self.preload = preload
         self.models: dict[str, PooledModel] = {}
+        self.aliases = {alias: served_model_name[0] for alias in served_model_name[1:]}
         for ws in worker_settings:
-            name = announced_name(ws)
+            name = served_model_name[0] if served_model_name else announced_name(ws)
             self.models[name] = PooledModel(
                 name, WorkerSupervisor(ws, link, stop_timeout_s),
                 Charge(weights_on_disk(model_source(ws)), ws.prefix_cache_bytes), pinned=name in pinned)
@@ -132,6 +135,10 @@ class ModelPool:
         self._reaper: asyncio.Task | None = None
         self._starting: set[str] = set()  # loaded at start, not yet ready
         self.on_fatal: Callable[[str], None] | None = None  # a model that must load at start cannot
+
+    def find(self, name: str) -> PooledModel | None:
+        """The model a served name (or one of its --served-model-name aliases) names."""
+        return self.models.get(self.aliases.get(name, name))
 
     @property
     def supervisors(self) -> list[WorkerSupervisor]:
@@ -168,7 +175,7 @@ class ModelPool:
         """Hold `name` for a request, starting it if it is not loaded (making
         room first). Unavailable if no room is made within wait_s, or while
         its last load's failure holds (unless retry_failed)."""
-        m = self.models.get(name)
+        m = self.find(name)
         if m is None or not m.running and self._served_elsewhere(name):
             return Lease(self, None, keep_alive_s)
         lease = Lease(self, m, keep_alive_s)
@@ -220,7 +227,8 @@ class ModelPool:
 
     async def unload(self, name: str) -> bool:
         """Unload a model now if it is idle (True); else once its running requests end (False)."""
-        m = self.models[name]
+        m = self.find(name)
+        assert m is not None
         if m.users == 0:
             async with self._lock:
                 await self._stop(m, "unloaded by an admin request")
@@ -240,12 +248,12 @@ class ModelPool:
         """"loaded" (a ready worker serves it), "loading" (started, not ready yet) or "unloaded"."""
         if any(w.ready and name in w.names for w in self.link.workers.values()):
             return "loaded"
-        m = self.models.get(name)
+        m = self.find(name)
         return "loading" if m is not None and m.running else "unloaded"
 
     def charge(self, name: str) -> Charge | None:
         """A running model's entry in the ledger (None for one that is not the pool's, or not running)."""
-        m = self.models.get(name)
+        m = self.find(name)
         if m is None or not m.running:
             return None
         self._measure(m)

@@ -199,7 +199,7 @@ class WorkerLink:
             try:
                 await asyncio.wait_for(changed.wait(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
-                raise WorkerUnavailable(f"no worker became ready within {timeout_s:g}s") from None
+                raise WorkerUnavailable(f"no worker became ready within {timeout_s:.3g}s") from None
         return worker
 
     def notify(self) -> None:

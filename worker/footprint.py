@@ -57,13 +57,15 @@ def _leaves(cache) -> list:
     return leaves
 
 
-def set_limits(memory_limit: int | None) -> None:
+def set_limits(memory_limit: int | None, weights: int) -> None:
     """Hold MLX to this worker's share of the budget (MLX frees cached buffers
-    and waits on running work before it grows past the limit), and on Metal
-    keep the share wired, so the weights are not paged out between requests."""
+    and waits on running work before it grows past the limit; the buffers it
+    keeps for reuse never exceed what the share leaves beside the weights), and
+    on Metal keep the share wired, so the weights are not paged out between requests."""
     if memory_limit is None:
         return
     mx.set_memory_limit(memory_limit)
+    mx.set_cache_limit(max(memory_limit - weights, 0))
     if mx.metal.is_available():
         mx.set_wired_limit(min(memory_limit, int(mx.metal.device_info()["max_recommended_working_set_size"])))
     log.info("MLX memory limit: %d MiB", memory_limit >> 20)

@@ -53,7 +53,6 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
     if affinity:
         log.info("affinity audit on: every MLX evaluation's thread is recorded")
     started = time.monotonic()
-    set_limits(settings.memory_limit_bytes)
     try:
         loaded = load_model(model_source(settings), settings.context_length, settings.cpu_dequantize)
     except (ModelNotFound, OSError, ValueError) as e:  # GGUFError is a ValueError
@@ -62,6 +61,8 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         log.exception("loading the model failed")
         return load_failed(settings, f"{type(e).__name__}: {e}")
     log.info("loaded %s from %s in %.1fs", loaded.name, loaded.path, time.monotonic() - started)
+    weights = weights_bytes(loaded.model)
+    set_limits(settings.memory_limit_bytes, weights)
     vision = None
     if loaded.image_token_id is not None:
         vision = VisionPrefill(loaded.model, loaded.image_token_id, settings.prefill_chunk)
@@ -92,7 +93,7 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         model_digest=loaded.digest,
         tool_parser=loaded.tool_parser,
         reasoning_markers=loaded.reasoning_markers,
-        weights_bytes=weights_bytes(loaded.model),
+        weights_bytes=weights,
         kv_footprint=kv_footprint(text_model),
     )
     try:
