@@ -82,6 +82,7 @@ bench: install-test model
 	$(PY) -m tests.bench.vision_mix
 	$(PY) -m tests.bench.detokenize
 	$(PY) -m tests.bench.replicas
+	$(PY) -m tests.bench.pool
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache tests/agents/node_modules

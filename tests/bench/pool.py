@@ -111,7 +111,7 @@ def main() -> None:
                 "--keep-alive", "-1", "--prefix-cache-bytes", "0", "--worker-wait-s", "600",
                 "--context-length", str(args.prompt_tokens + args.max_tokens + 1)]
         for model in models:
-            argv += ["--model", model.rstrip("=")]
+            argv += ["--model", model]  # NAME= is the embedded default under NAME
         server = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + 60
