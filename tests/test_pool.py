@@ -281,3 +281,29 @@ def test_a_budget_too_small_for_a_requests_reservation_is_a_503_before_the_200(s
     ref = Reference(models["alpha"])
     assert complete(small_pool, "alpha")["choices"][0]["text"] == ref.greedy(ref.text_prompt(PROMPT), 8).text
     assert small_pool.health()["pool"]["models"]["alpha"]["memory"]["kv_reserved"] == 0
+
+
+def test_a_pinned_model_loads_at_start_and_stays(models, tmp_path):
+    args = ["serve", "--heartbeat-s", "0.1", "--model", f"alpha={models['alpha']}", "--model",
+            f"beta={models['beta']}", "--pin", "alpha", "--max-loaded-models", "1", "--keep-alive", "0",
+            "--admin-key", "admin-key-otter"]
+    srv = Server(args, tmp_path / "serve.log", env=LAZY)
+    try:
+        wait_for(lambda: srv.answers() and srv.http.get("/ready").status_code == 200, 60, "the pinned model")
+        assert statuses(srv) == {"alpha": "loaded", "beta": "unloaded"}
+        assert complete(srv, "alpha")["choices"]  # keep-alive 0, but pinned: it stays
+        time.sleep(1)
+        assert statuses(srv)["alpha"] == "loaded"
+        # The one slot is alpha's for good: beta is refused at once, naming why.
+        refused = srv.http.post("/v1/completions", json={"model": "beta", "prompt": PROMPT, "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_room"
+        assert "1 of at most 1 models loaded (alpha)" in refused.json()["error"]["message"]
+        # /admin takes the admin key, and only it.
+        assert srv.http.post("/admin/models/alpha/unload").status_code == 401
+        unloaded = srv.http.post("/admin/models/alpha/unload", headers={"Authorization": "Bearer admin-key-otter"})
+        assert unloaded.status_code == 200 and statuses(srv)["alpha"] == "unloaded"
+        assert srv.http.get("/ready").status_code == 503  # a pinned model is not loaded
+        ref = Reference(models["beta"])
+        assert complete(srv, "beta")["choices"][0]["text"] == ref.greedy(ref.text_prompt(PROMPT), 8).text
+    finally:
+        srv.stop()
