@@ -57,7 +57,7 @@ $(AGENTS): tests/agents/package.json tests/agents/package-lock.json
 	touch $@
 
 run: install
-	$(VENV)/bin/mlxd serve $(if $(MODEL),--model $(MODEL))
+	$(VENV)/bin/mlxd serve --preload $(if $(MODEL),--model $(MODEL))
 
 # pyflakes and import order (ruff), types (mypy: strict on protocol/).
 lint: install-test
