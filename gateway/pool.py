@@ -134,6 +134,7 @@ class ModelPool:
         self._changed = asyncio.Event()  # set, and replaced, when a model becomes idle or unloads
         self._reaper: asyncio.Task | None = None
         self._starting: set[str] = set()  # loaded at start, not yet ready
+        self._unloading: set[asyncio.Task] = set()
         self.on_fatal: Callable[[str], None] | None = None  # a model that must load at start cannot
 
     def find(self, name: str) -> PooledModel | None:
@@ -220,7 +221,9 @@ class ModelPool:
                 keep = 0.0
             m.idle_until = math.inf if m.pinned else m.last_used + keep
             if keep == 0 and (not m.pinned or m.unload_requested):
-                asyncio.get_running_loop().create_task(self._unload_if_idle(m))
+                task = asyncio.get_running_loop().create_task(self._unload_if_idle(m))
+                self._unloading.add(task)  # held until done: the loop keeps only a weak reference
+                task.add_done_callback(self._unloading.discard)
         self._notify()
 
     # ---- what operators use (the admin endpoints) ---------------------------
@@ -264,18 +267,20 @@ class ModelPool:
         return sum(charge.total for m in self.models.values() if (charge := self.charge(m.name)) is not None)
 
     def ledger(self) -> dict:
+        """The budget, what is used, and each model's state and charge (/health's `pool`)."""
         now = time.monotonic()
-        return {
-            "budget": self.budget,
-            "used": self.used,
-            "max_loaded_models": self.max_loaded,
-            "models": {m.name: {"status": self.status(m.name), "pinned": m.pinned, "users": m.users,
-                                "unloads_in_s": None if not m.running or m.users or m.idle_until == math.inf
-                                else round(max(0.0, m.idle_until - now), 1),
-                                **({"memory": self.charge(m.name).as_dict()} if m.running else {}),  # type: ignore[union-attr]
-                                **({"load_error": m.failure} if m.failure and not m.running else {})}
-                       for m in self.models.values()},
-        }
+        return {"budget": self.budget, "used": self.used, "max_loaded_models": self.max_loaded,
+                "models": {m.name: self._ledger_entry(m, now) for m in self.models.values()}}
+
+    def _ledger_entry(self, m: PooledModel, now: float) -> dict:
+        idle = m.running and not m.users and m.idle_until != math.inf
+        entry: dict = {"status": self.status(m.name), "pinned": m.pinned, "users": m.users,
+                       "unloads_in_s": round(max(0.0, m.idle_until - now), 1) if idle else None}
+        if (charge := self.charge(m.name)) is not None:
+            entry["memory"] = charge.as_dict()
+        if (error := m.load_error()) is not None:
+            entry["load_error"] = error
+        return entry
 
     # ---- inside ----------------------------------------------------------------
 
@@ -369,7 +374,6 @@ class ModelPool:
             return
         log.info("unloading %s: %s", m.name, why)
         await m.supervisor.stop()
-        m.charge.kv_reserved = 0
         self._notify()
 
     async def _unload_if_idle(self, m: PooledModel) -> None:

@@ -285,11 +285,7 @@ class Serving:
         the admission and the lease. Nothing else aborts a request for its client.
         """
         client_id = request.scope["state"]["client_id"]
-        try:
-            release = self.admission.admit(client_id)
-        except BaseException:
-            lease.release()
-            raise
+        release = self.admission.admit(client_id)
         self.running[request_id] = (client_id, group)
         timeout = self.settings.request_timeout_s
         deadline = asyncio.get_running_loop().time() + timeout if timeout else None
