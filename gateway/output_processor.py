@@ -236,15 +236,17 @@ class RequestGroup:
         when the gateway is behind. Raises TimeoutError at `deadline`
         (event-loop time) if not finished.
         """
-        loop = asyncio.get_running_loop()
         backlog: deque[Delta] = deque()
         open_choices = set(range(len(self.states)))
         while open_choices:
             if backlog:
                 delta = backlog.popleft()
             else:
-                timeout = None if deadline is None else max(deadline - loop.time(), 0)
-                delta = await asyncio.wait_for(self.queue.get(), timeout)
+                # Not asyncio.wait_for: on Python 3.11 it swallows a cancellation
+                # that lands as the queue hands over a Delta, and a client gone
+                # mid-generation would then not stop it.
+                async with asyncio.timeout_at(deadline):
+                    delta = await self.queue.get()
             while _plain(delta) and not self.queue.empty():
                 waiting = self.queue.get_nowait()
                 if waiting.index != delta.index or not _plain(waiting):

@@ -126,3 +126,21 @@ def test_a_group_past_its_deadline_raises_timeout(tokenizer):
 
     with pytest.raises(TimeoutError):
         asyncio.run(past_deadline())
+
+
+def test_a_cancel_that_lands_with_a_delta_still_ends_the_reader(tokenizer):
+    """The client leaves just as the worker's next text arrives: the reader must
+    end there (asyncio.wait_for on Python 3.11 returned the Delta instead, and
+    the request ran on in the worker to its end)."""
+    group = group_of(tokenizer, 1)
+
+    async def cancelled_as_text_arrives() -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.create_task(read(group, loop.time() + 5))
+        await asyncio.sleep(0)  # the reader now waits on the queue
+        group.queue.put_nowait(Delta("text", 0))
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+
+    asyncio.run(cancelled_as_text_arrives())
