@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -23,10 +24,11 @@ from typing import Any
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import numpy as np  # noqa: E402
+import transformers  # noqa: E402
 from jinja2 import TemplateError  # noqa: E402
 from tokenizers import Tokenizer as RustTokenizer  # noqa: E402
 from tokenizers.decoders import DecodeStream  # noqa: E402
-from transformers import AutoProcessor, AutoTokenizer  # noqa: E402
+from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, ProcessorMixin  # noqa: E402
 
 from gateway.parsing import detect_reasoning, detect_tool_family  # noqa: E402
 from protocol import Tensor  # noqa: E402
@@ -64,6 +66,27 @@ def files_digest(files: dict[str, bytes]) -> str:
     return h.hexdigest()
 
 
+def load_processor(directory: str, tokenizer: Any) -> ProcessorMixin:
+    """The model's processor, from its files in `directory`. One whose video
+    half needs PyTorch (Qwen2-VL's and Qwen2.5-VL's) is built from its image
+    processor and the tokenizer alone: mlxd sends it images only."""
+    try:
+        return AutoProcessor.from_pretrained(directory)
+    except ImportError:
+        config = json.loads((Path(directory) / "preprocessor_config.json").read_text())
+        processor_class = getattr(transformers, config.get("processor_class", ""), None)
+        if processor_class is None:
+            raise
+    # The class checks each part's type against its video processor's, which
+    # is what cannot load; the parts given here are the ones that did.
+    images_only = type(processor_class.__name__, (processor_class,),
+                       {"check_argument_for_proper_class": lambda self, name, argument: type(argument)})
+    template = Path(directory) / "chat_template.json"  # a processor's own file, which AutoProcessor would read
+    return images_only(image_processor=AutoImageProcessor.from_pretrained(directory), tokenizer=tokenizer,
+                       video_processor=None,
+                       chat_template=json.loads(template.read_text())["chat_template"] if template.exists() else None)
+
+
 class Tokenizer:
     def __init__(self, files: dict[str, bytes], vision: bool = False) -> None:
         self.digest = files_digest(files)
@@ -81,7 +104,7 @@ class Tokenizer:
                                   "version, which the gateway needs to stream its text")
             self.rust: RustTokenizer = rust
             if vision:
-                self.processor = AutoProcessor.from_pretrained(tmp)
+                self.processor = load_processor(tmp, self._tok)
                 # Vision models often keep their chat template with the processor.
                 self._tok.chat_template = self._tok.chat_template or self.processor.chat_template
 

@@ -1,7 +1,15 @@
-"""A tiny random-weight LLaVA model (CLIP vision tower + llama), with the
-tiny model's trained tokenizer, an image placeholder token, and an image
-processor configuration of its own. mlx-vlm loads it; transformers' LLaVA
-processor runs its image preprocessing (without PyTorch)."""
+"""Tiny random-weight vision-language models, one per family mlxd serves,
+built as mlx-vlm's own tests build theirs: the family's mlx-vlm Model class on
+a small config, random weights, the tiny model's trained tokenizer with the
+family's image tokens, and the family's image processor configuration. mlx-vlm
+loads each; transformers runs its image preprocessing (without PyTorch).
+
+LLaVA: a CLIP vision tower and a llama; every image is IMAGE_SIZE square and
+takes the same tokens. Qwen2-VL and Qwen2.5-VL: vision towers of their own,
+an image's token count following its size (28-pixel cells), and a language
+model with multimodal rotary positions (mRoPE), whose prompts with images run
+their positions behind their length.
+"""
 
 from __future__ import annotations
 
@@ -14,32 +22,46 @@ from tokenizers import AddedToken
 
 from tests.tiny_model import train_tokenizer
 
-IMAGE_TOKEN = "<image>"
+FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl")
 IMAGE_SIZE = 28
 PATCH_SIZE = 14
 
-# Messages' content arrives as a list of parts (text and image); each image
-# part becomes one placeholder, which the processor expands to the image's tokens.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}{{ '<image>' }}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+# What one image part of a message becomes in each family's prompt; the
+# processor expands the image token to the image's tokens.
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+IMAGE_TEXT = {"llava": "<image>", "qwen2_vl": QWEN_IMAGE, "qwen2_5_vl": QWEN_IMAGE}
+IMAGE_TOKENS = {
+    "llava": ["<image>"],
+    "qwen2_vl": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
+}
+IMAGE_TOKENS["qwen2_5_vl"] = IMAGE_TOKENS["qwen2_vl"]
 
 
-def make_tiny_vision_model(path: Path, *, seed: int = 0, logit_scale: float = 8.0) -> Path:
-    """Write a loadable mlx-vlm LLaVA directory at `path` and return it."""
-    from mlx_vlm.models import llava
+def chat_template(image_text: str) -> str:
+    """Messages' content arrives as a list of parts (text and image)."""
+    return (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+        "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+        "{% for part in message['content'] %}"
+        "{% if part['type'] == 'image' %}{{ '" + image_text + "' }}"
+        "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
 
+
+TEXT_CONFIG = {
+    "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "tie_word_embeddings": False,
+}
+
+
+def make_tiny_vision_model(path: Path, *, family: str = "llava", seed: int = 0, logit_scale: float = 8.0) -> Path:
+    """Write a loadable mlx-vlm directory of `family` at `path` and return it."""
     path.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
-    tok.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in IMAGE_TOKENS[family]])
     tok.save(str(path / "tokenizer.json"))
-    vocab_size = tok.get_vocab_size()
-    eos_id = tok.token_to_id("<|im_end|>")
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": "<|im_end|>",
@@ -47,7 +69,20 @@ def make_tiny_vision_model(path: Path, *, seed: int = 0, logit_scale: float = 8.
         "model_max_length": 2048,
         "clean_up_tokenization_spaces": False,
     }))
-    (path / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": chat_template(IMAGE_TEXT[family])}))
+    build = _llava if family == "llava" else _qwen_vl
+    config, model = build(path, tok, family, seed)
+    (path / "config.json").write_text(json.dumps(config))
+    # Sharpened logits keep greedy choices far apart (see make_tiny_model).
+    lm = model.language_model
+    lm.lm_head.weight = lm.lm_head.weight * logit_scale
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    return path
+
+
+def _llava(path: Path, tok, family: str, seed: int):
+    from mlx_vlm.models import llava
+
     (path / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "CLIPImageProcessor",
         "processor_class": "LlavaProcessor",
@@ -67,35 +102,70 @@ def make_tiny_vision_model(path: Path, *, seed: int = 0, logit_scale: float = 8.
         "processor_class": "LlavaProcessor",
         "patch_size": PATCH_SIZE,
         "vision_feature_select_strategy": "default",
-        "image_token": IMAGE_TOKEN,
+        "image_token": "<image>",
         "num_additional_image_tokens": 1,
     }))
-    text = {
-        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": vocab_size,
-        "max_position_embeddings": 2048, "tie_word_embeddings": False,
-    }
+    text = {"model_type": "llama", **TEXT_CONFIG, "vocab_size": tok.get_vocab_size()}
     vision = {
         "model_type": "clip_vision_model", "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
         "num_attention_heads": 2, "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE, "projection_dim": 32,
         "num_channels": 3, "layer_norm_eps": 1e-5,
     }
     config = {
-        "model_type": "llava", "image_token_index": tok.token_to_id(IMAGE_TOKEN),
+        "model_type": "llava", "image_token_index": tok.token_to_id("<image>"),
         "vision_feature_select_strategy": "default", "vision_feature_layer": -2,
-        "vocab_size": vocab_size, "eos_token_id": eos_id, "text_config": text, "vision_config": vision,
+        "vocab_size": tok.get_vocab_size(), "eos_token_id": tok.token_to_id("<|im_end|>"),
+        "text_config": text, "vision_config": vision,
     }
-    (path / "config.json").write_text(json.dumps(config))
     model_config = llava.ModelConfig.from_dict(config)
     model_config.text_config = llava.TextConfig.from_dict(text)
     model_config.vision_config = llava.VisionConfig.from_dict(vision)
     mx.random.seed(seed)
     model = llava.Model(model_config)
-    # Sharpened logits keep greedy choices far apart (see make_tiny_model);
-    # a strong projector makes the image decide the answer.
-    lm = model.language_model
-    lm.lm_head.weight = lm.lm_head.weight * logit_scale
+    # A strong projector makes the image decide the answer.
     projector = model.multi_modal_projector.linear_2
-    projector.weight = projector.weight * logit_scale
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    return path
+    projector.weight = projector.weight * 8
+    return config, model
+
+
+def _qwen_vl(path: Path, tok, family: str, seed: int):
+    import importlib
+
+    module = importlib.import_module(f"mlx_vlm.models.{family}")
+    processor = "Qwen2VLProcessor" if family == "qwen2_vl" else "Qwen2_5_VLProcessor"
+    # Images from 28 x 28 to 112 x 112 pixels keep their size: 1 to 16 image tokens.
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": processor,
+        "min_pixels": 28 * 28,
+        "max_pixels": 112 * 112,
+        "patch_size": PATCH_SIZE,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    }))
+    vision = {"model_type": family, "depth": 2, "num_heads": 2, "patch_size": PATCH_SIZE, "spatial_patch_size": PATCH_SIZE,
+              "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}
+    if family == "qwen2_vl":
+        vision |= {"embed_dim": 32, "hidden_size": TEXT_CONFIG["hidden_size"], "mlp_ratio": 2}
+    else:  # windowed attention in the first block, full in the second
+        vision |= {"hidden_size": 32, "intermediate_size": 64, "out_hidden_size": TEXT_CONFIG["hidden_size"],
+                   "window_size": 56, "fullatt_block_indexes": [1], "tokens_per_second": 2}
+    ids = {t: tok.token_to_id(t) for t in IMAGE_TOKENS[family]}
+    # head_dim 16: 8 rotary frequencies, split over time, height and width.
+    config = {
+        "model_type": family, **TEXT_CONFIG, "vocab_size": tok.get_vocab_size(), "rope_theta": 10000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
+        "eos_token_id": tok.token_to_id("<|im_end|>"), "vision_config": vision,
+    }
+    model_config = module.ModelConfig.from_dict(dict(config))
+    model_config.text_config = module.TextConfig.from_dict(config)
+    model_config.vision_config = module.VisionConfig.from_dict(vision)
+    mx.random.seed(seed)
+    model = module.Model(model_config)
+    merger = model.vision_tower.merger.mlp[-1]
+    merger.weight = merger.weight * 8
+    return config, model

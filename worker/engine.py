@@ -151,6 +151,8 @@ class Engine:
                 raise InvalidRequest(f"the vision model cannot take these inputs: {e}") from None
             rest, done = prompt[-1:], prompt[:-1]
             image_key = key
+        elif vision is not None:
+            cache = vision.batch_cache(cache)
         # None is mlx-lm's "none" for a cache and for a sampler (the batch's
         # argmax) alike, though its type hints do not say so.
         (uid,) = self._generator.insert(

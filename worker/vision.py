@@ -8,21 +8,36 @@ mlx-lm's BatchGenerator with that cache and its last token, like any text
 request that hit the prefix cache, and decodes beside text requests with its
 own sampler and stop conditions. Text-only requests never touch the vision
 tower: the batch runs the language model alone.
+
+Families with multimodal rotary positions (mRoPE: Qwen2-VL, Qwen2.5-VL) give
+an image's tokens positions on a grid, so a prompt with images runs its
+positions behind its length by a delta of its own. mlx-vlm keeps that delta on
+the model object, which every request in a batch shares; here each request's
+cache carries it (RopeKVCache) and the batch applies it row by row.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 # The processor's files travel to the gateway, which runs the processor.
 PROCESSOR_FILE_NAMES = {"preprocessor_config.json", "processor_config.json"}
+
+
+# The vision families mlxd serves (mlx-vlm's model_type), each with a tiny
+# model in the tests whose answers through HTTP equal mlx-vlm's. Others are
+# refused at load: a family's position scheme or processor untested here
+# could answer wrongly rather than fail.
+VISION_FAMILIES = {"llava", "qwen2_vl", "qwen2_5_vl"}
+MROPE_FAMILIES = {"qwen2_vl", "qwen2_5_vl"}
 
 
 class UnsupportedVisionModel(ValueError):
@@ -35,14 +50,13 @@ def load_vision_model(path: Path) -> tuple[nn.Module, int]:
         from mlx_vlm.utils import load_model
     except ImportError:
         raise UnsupportedVisionModel(f"{path} is a vision model, which needs mlx-vlm (`make install` installs it)") from None
-    model = load_model(path)
-    if hasattr(model.language_model, "_rope_deltas"):
-        # Qwen2-VL-style models keep the last prompt's multimodal rotary
-        # offsets on the model object, which every request in a batch shares.
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    if model_type not in VISION_FAMILIES:
         raise UnsupportedVisionModel(
-            f"{model.config.model_type} models keep per-request position state on the model object; "
-            "mlxd's continuous batching cannot serve them"
+            f"{path} is a {model_type!r} vision model; mlxd serves the vision families "
+            f"{', '.join(sorted(VISION_FAMILIES))} (docs/api.md lists them and why others are refused)"
         )
+    model = load_model(path)
     config = model.config
     image_token_id = getattr(config, "image_token_index", None)
     if image_token_id is None:
@@ -52,22 +66,58 @@ def load_vision_model(path: Path) -> tuple[nn.Module, int]:
     return model, image_token_id
 
 
+class RopeKVCache(KVCache):
+    """A request's KV cache on an mRoPE model, with `rope_delta`: how far its
+    rotary positions run from its length. Merged into a batch, the delta goes
+    into BatchKVCache.offset, which mlx-lm reads for rotary positions only
+    (masks follow the cache's own index), so each row keeps its own through
+    the batch's filter and extend."""
+
+    def __init__(self, rope_delta: int = 0) -> None:
+        super().__init__()
+        self.rope_delta = rope_delta
+
+    @classmethod
+    def of(cls, cache: KVCache, rope_delta: int = 0) -> RopeKVCache:
+        own = cls(rope_delta)
+        own.keys, own.values, own.offset = cache.keys, cache.values, cache.offset
+        return own
+
+    @classmethod
+    def merge(cls, caches: list) -> BatchKVCache:  # type: ignore[override]
+        batch = BatchKVCache.merge(caches)
+        batch.offset = batch.offset + mx.array([getattr(c, "rope_delta", 0) for c in caches])
+        return batch
+
+
+def text_positions(offset: int | mx.array, batch: int, length: int) -> mx.array:
+    """mRoPE positions of text tokens, (3, batch, length): the same position on
+    every axis, counting from the cache's offset (an int, or one per row)."""
+    start = offset.reshape(-1, 1) if isinstance(offset, mx.array) else mx.array([[offset]])
+    return mx.broadcast_to(start + mx.arange(length), (3, batch, length))
+
+
 class LanguageModel(nn.Module):
     """A VLM's language model as mlx-lm's BatchGenerator expects a model:
     token ids (or embeddings) and a cache in, logits out."""
 
-    def __init__(self, vlm: nn.Module) -> None:
+    def __init__(self, vlm: nn.Module, mrope: bool) -> None:
         super().__init__()
         self.lm = vlm.language_model
+        self.mrope = mrope
 
     @property
     def layers(self):
         return self.lm.model.layers
 
     def make_cache(self) -> list:
-        return make_prompt_cache(self.lm)
+        cache = make_prompt_cache(self.lm)
+        return [RopeKVCache.of(c) for c in cache] if self.mrope else cache
 
     def __call__(self, inputs: mx.array, cache=None, **kwargs) -> mx.array:
+        if self.mrope and "position_ids" not in kwargs:
+            # Given, so that the model never falls back on its shared state.
+            kwargs["position_ids"] = text_positions(cache[0].offset, *inputs.shape)
         out = self.lm(inputs, cache=cache, **kwargs)
         return getattr(out, "logits", out)
 
@@ -87,7 +137,8 @@ def images_key(buffers: Sequence[memoryview]) -> int:
 class VisionPrefill:
     def __init__(self, vlm: nn.Module, image_token_id: int, step_size: int) -> None:
         self.vlm = vlm
-        self.language_model = LanguageModel(vlm)
+        self.mrope = vlm.config.model_type in MROPE_FAMILIES
+        self.language_model = LanguageModel(vlm, self.mrope)
         self.image_token_id = image_token_id
         self.step_size = step_size
 
@@ -95,20 +146,33 @@ class VisionPrefill:
         key = images_key(buffers)
         return [key if t == self.image_token_id else t for t in prompt]
 
+    def batch_cache(self, cache: list | None) -> list | None:
+        """A text request's cache (from the prefix cache) as the batch takes it."""
+        if cache is None or not self.mrope:
+            return cache
+        return [RopeKVCache.of(c) for c in cache]
+
     def prefill(self, prompt: list[int], tensors: dict[str, np.ndarray], cache: list | None, reused: int) -> list:
         """The KV cache after prompt[:-1], continuing `cache` (which holds
         prompt[:reused]) or a fresh one."""
         ids = mx.array([prompt])
         if cache is None:
             cache, reused = self.language_model.make_cache(), 0
+        arrays = {name: mx.array(a) for name, a in tensors.items()}
+        pixel_values = arrays.pop("pixel_values", None)
         embeddings = None  # when every image position is in the reused cache: text alone
         if self.image_token_id in prompt[reused:-1]:
-            arrays = {name: mx.array(a) for name, a in tensors.items()}
-            pixel_values = arrays.pop("pixel_values", None)
             embeddings = self.vlm.get_input_embeddings(ids, pixel_values, **arrays).inputs_embeds
+        positions, rope_delta = None, 0
+        if self.mrope:
+            positions, deltas = self.vlm.language_model.get_rope_index(
+                ids, arrays.get("image_grid_thw"), arrays.get("video_grid_thw"))
+            rope_delta = int(deltas.reshape(-1)[0].item())
         for start in range(reused, len(prompt) - 1, self.step_size):
             end = min(start + self.step_size, len(prompt) - 1)
             chunk = {} if embeddings is None else {"inputs_embeds": embeddings[:, start:end]}
+            if positions is not None:
+                chunk["position_ids"] = positions[..., start:end]
             self.language_model(ids[:, start:end], cache=cache, **chunk)
             mx.eval([c.state for c in cache])
-        return cache
+        return [RopeKVCache.of(c, rope_delta) for c in cache] if self.mrope else cache
