@@ -140,7 +140,7 @@ class RequestState:
         if not self.generated:
             return AddRequest(self.request_id, self.prompt, self.sampling, self.tensors)
         rest = msgspec.structs.replace(self.sampling, max_tokens=self.sampling.max_tokens - len(self.generated))
-        return AddRequest(self.request_id, self.prompt + self.generated, rest, self.tensors)
+        return AddRequest(self.request_id, self.prompt + self.generated, rest, self.tensors, len(self.generated))
 
     def fail(self, message: str, status: int) -> Delta:
         self.status = RequestStatus.FAILED

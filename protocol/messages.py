@@ -75,6 +75,10 @@ class AddRequest(_Message, tag="add"):
     prompt_token_ids: list[int]
     sampling: Sampling
     tensors: list[Tensor] = []
+    # Resumed after a lost worker: the prompt ends with this many tokens the
+    # request itself generated, which are text whatever their ids (a model may
+    # write its image placeholder token; only the original prompt holds images).
+    generated_tokens: int = 0
 
 
 class Abort(_Message, tag="abort"):

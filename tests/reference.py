@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,23 +57,32 @@ class Reference:
 
 
 class VisionReference:
-    """mlx-vlm in-process, on the inputs the model's own processor makes (the
-    processor the gateway runs: transformers' LLaVA processor)."""
+    """mlx-vlm in-process, on the inputs the model's processor makes:
+    transformers' where it runs without PyTorch, else mlx-vlm's own (never the
+    gateway's)."""
 
     def __init__(self, path: Path) -> None:
+        import transformers
         from mlx_vlm import load as load_vlm
-        from transformers import LlavaProcessor
 
         self.model, self._vlm_processor = load_vlm(str(path))
-        self.processor = LlavaProcessor.from_pretrained(str(path))
+        # By its class: importing mlx-vlm patches transformers' AutoProcessor.
+        processor_class = json.loads((path / "preprocessor_config.json").read_text())["processor_class"]
+        try:
+            self.processor = getattr(transformers, processor_class).from_pretrained(str(path))
+        except ImportError:  # its video half needs PyTorch (Qwen-VL's): mlx-vlm's own
+            self.processor = self._vlm_processor
         self.tokenizer = self.processor.tokenizer
+        config = self.model.config
+        self.image_token_id = getattr(config, "image_token_index", None) or config.image_token_id
 
     def inputs(self, messages: list[dict], images: list) -> dict:
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         if not images:
             return {"input_ids": mx.array([self.tokenizer.encode(text, add_special_tokens=False)])}
         out = self.processor(text=[text], images=images, return_tensors="np", add_special_tokens=False)
-        return {"input_ids": mx.array(out["input_ids"]), "pixel_values": mx.array(out["pixel_values"])}
+        return {name: mx.array(value) for name, value in out.items()
+                if name not in ("attention_mask", "mm_token_type_ids")}
 
     def greedy(self, messages: list[dict], images: list, max_tokens: int, ignore_eos: bool = False) -> Expected:
         """mlx-vlm's own generation loop; it ends at EOS without yielding it
@@ -80,13 +90,14 @@ class VisionReference:
         from mlx_vlm.generate import stream_generate
 
         criteria = self._vlm_processor.tokenizer.stopping_criteria
-        eos = list(criteria.eos_token_ids)
-        criteria.reset([] if ignore_eos else eos)
+        eos = criteria.eos_token_ids
+        if ignore_eos:  # set directly: reset([]) keeps the config's additional EOS ids
+            criteria.eos_token_ids = []
         try:
             tokens = [int(r.token) for r in stream_generate(self.model, self._vlm_processor, "", max_tokens=max_tokens,
                                                             temperature=0.0, **self.inputs(messages, images))]
         finally:
-            criteria.reset(eos)
+            criteria.eos_token_ids = eos
         # The loop may run one token past max_tokens.
         finish = "length" if len(tokens) >= max_tokens else "stop"
         tokens = tokens[:max_tokens]

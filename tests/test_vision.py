@@ -1,6 +1,6 @@
 """Vision: images through the real stack (gateway processor, raw ZeroMQ
 frames, mlx-vlm on the worker's main thread) beside text, against mlx-vlm
-in-process."""
+in-process; every test for every family mlxd serves (tests/tiny_vision_model.py)."""
 
 from __future__ import annotations
 
@@ -21,13 +21,15 @@ import pytest
 from PIL import Image
 
 from tests.conftest import running, wait_for
-from tests.tiny_vision_model import IMAGE_SIZE, make_tiny_vision_model
+from tests.tiny_vision_model import FAMILIES, IMAGE_SIZE, make_tiny_vision_model
 
 MODEL = "tiny-vision"
 QUESTION = "What is in this picture?"
 
 
-def image(seed: int, size: tuple[int, int] = (IMAGE_SIZE, IMAGE_SIZE)) -> Image.Image:
+def image(seed: int, size: tuple[int, int] = (3 * IMAGE_SIZE, 2 * IMAGE_SIZE)) -> Image.Image:
+    """Random pixels, (width, height): not square, so that a Qwen-VL image's
+    grid has rows and columns of tokens (and its prompt an mRoPE delta)."""
     pixels = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype(np.uint8)
     return Image.fromarray(pixels)
 
@@ -52,9 +54,9 @@ def template_messages(n_images: int, question: str = QUESTION) -> list[dict]:
     return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": question}]}]
 
 
-@pytest.fixture(scope="module")
-def vision_model(tmp_path_factory):
-    return make_tiny_vision_model(tmp_path_factory.mktemp("models") / "tiny-vision")
+@pytest.fixture(scope="module", params=FAMILIES)
+def vision_model(request, tmp_path_factory):
+    return make_tiny_vision_model(tmp_path_factory.mktemp("models") / request.param, family=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +191,17 @@ def test_mixed_batch_keeps_each_request_its_own_sampling(client, vision_server, 
     vision_server.wait_idle()
 
 
+def test_images_of_different_sizes_in_one_batch_each_answer_as_alone(client, vision_reference):
+    """With mRoPE (Qwen-VL) each image size gives its prompt another position
+    delta; decoded side by side, each request keeps its own."""
+    images = [image(60, (84, 56)), image(61, (28, 112)), image(62, (112, 112)), image(63, (28, 28))]
+    expected = [vision_reference.greedy(template_messages(1), [i], 24).text for i in images]
+    with ThreadPoolExecutor(len(images)) as pool:
+        answers = list(pool.map(lambda i: chat(client, openai_messages(data_url(i)), max_tokens=24)
+                                .choices[0].message.content, images))
+    assert answers == expected
+
+
 def test_images_one_pixel_apart_never_share_cached_state(client, vision_reference):
     """The prefix cache keys image positions by the images' content."""
     a = image(20)
@@ -196,8 +209,9 @@ def test_images_one_pixel_apart_never_share_cached_state(client, vision_referenc
     pixels[IMAGE_SIZE // 2, IMAGE_SIZE // 2] ^= 0xFF
     b = Image.fromarray(pixels)
     question = "Describe the colours you see."
-    prompt_length = vision_reference.inputs(template_messages(1, question), [a])["input_ids"].size
-    before_image = len(vision_reference.tokenizer.encode("<|im_start|>user\n", add_special_tokens=False))
+    prompt = vision_reference.inputs(template_messages(1, question), [a])["input_ids"][0].tolist()
+    prompt_length = len(prompt)
+    before_image = prompt.index(vision_reference.image_token_id)
 
     first = chat(client, openai_messages(data_url(a), question))
     again = chat(client, openai_messages(data_url(a), question))

@@ -94,6 +94,8 @@ class Engine:
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary (size {self.vocab_size})")
+        if not 0 <= request.generated_tokens < len(prompt):
+            raise InvalidRequest(f"generated_tokens {request.generated_tokens} is not within the prompt")
         s = request.sampling
         if s.max_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1")
@@ -110,7 +112,8 @@ class Engine:
         if request.tensors:
             if self.vision is None:
                 raise InvalidRequest("this worker's model is text-only: it takes no images")
-            if self.vision.image_token_id not in prompt or prompt[-1] == self.vision.image_token_id:
+            media = prompt[:len(prompt) - request.generated_tokens]
+            if self.vision.image_token_id not in media or media[-1] == self.vision.image_token_id:
                 raise InvalidRequest("a request with images needs image placeholder tokens, and text after them")
 
     def add(self, request: AddRequest, buffers: Sequence[memoryview] = ()) -> None:
@@ -138,7 +141,8 @@ class Engine:
                 raise InvalidRequest(f"unusable grammar: {e}") from None
         prompt = request.prompt_token_ids
         vision = self.vision
-        key = vision.cache_key(prompt, buffers) if vision is not None and request.tensors else prompt
+        media_end = len(prompt) - request.generated_tokens  # image positions lie before it
+        key = vision.cache_key(prompt, media_end, buffers) if vision is not None and request.tensors else prompt
         cache, reused = self.prefix_cache.take(key) if self.prefix_cache else (None, 0)
         image_key = None
         rest, done = prompt[reused:], prompt[:reused]
@@ -146,7 +150,7 @@ class Engine:
             tensors = {t.name: np.frombuffer(b, dtype=t.dtype).reshape(t.shape)
                        for t, b in zip(request.tensors, buffers)}
             try:
-                cache = vision.prefill(prompt, tensors, cache, reused)
+                cache = vision.prefill(prompt, media_end, tensors, cache, reused)
             except (ValueError, TypeError, IndexError) as e:  # inputs this model cannot take
                 raise InvalidRequest(f"the vision model cannot take these inputs: {e}") from None
             rest, done = prompt[-1:], prompt[:-1]

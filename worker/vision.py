@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from itertools import chain
 from pathlib import Path
 
 import mlx.core as mx
@@ -84,7 +85,7 @@ class RopeKVCache(KVCache):
         return own
 
     @classmethod
-    def merge(cls, caches: list) -> BatchKVCache:  # type: ignore[override]
+    def merge(cls, caches: list) -> BatchKVCache:
         batch = BatchKVCache.merge(caches)
         batch.offset = batch.offset + mx.array([getattr(c, "rope_delta", 0) for c in caches])
         return batch
@@ -142,9 +143,9 @@ class VisionPrefill:
         self.image_token_id = image_token_id
         self.step_size = step_size
 
-    def cache_key(self, prompt: list[int], buffers: Sequence[memoryview]) -> list[int]:
+    def cache_key(self, prompt: list[int], media_end: int, buffers: Sequence[memoryview]) -> list[int]:
         key = images_key(buffers)
-        return [key if t == self.image_token_id else t for t in prompt]
+        return [key if t == self.image_token_id and i < media_end else t for i, t in enumerate(prompt)]
 
     def batch_cache(self, cache: list | None) -> list | None:
         """A text request's cache (from the prefix cache) as the batch takes it."""
@@ -152,27 +153,37 @@ class VisionPrefill:
             return cache
         return [RopeKVCache.of(c) for c in cache]
 
-    def prefill(self, prompt: list[int], tensors: dict[str, np.ndarray], cache: list | None, reused: int) -> list:
+    def prefill(self, prompt: list[int], media_end: int, tensors: dict[str, np.ndarray], cache: list | None,
+                reused: int) -> list:
         """The KV cache after prompt[:-1], continuing `cache` (which holds
-        prompt[:reused]) or a fresh one."""
+        prompt[:reused]) or a fresh one. Image positions lie before
+        `media_end`; what follows is text the request generated (resumed)."""
         ids = mx.array([prompt])
+        media = ids[:, :media_end]
         if cache is None:
             cache, reused = self.language_model.make_cache(), 0
         arrays = {name: mx.array(a) for name, a in tensors.items()}
         pixel_values = arrays.pop("pixel_values", None)
         embeddings = None  # when every image position is in the reused cache: text alone
-        if self.image_token_id in prompt[reused:-1]:
-            embeddings = self.vlm.get_input_embeddings(ids, pixel_values, **arrays).inputs_embeds
+        if self.image_token_id in prompt[reused:media_end]:
+            embeddings = self.vlm.get_input_embeddings(media, pixel_values, **arrays).inputs_embeds
         positions, rope_delta = None, 0
         if self.mrope:
             positions, deltas = self.vlm.language_model.get_rope_index(
-                ids, arrays.get("image_grid_thw"), arrays.get("video_grid_thw"))
+                media, arrays.get("image_grid_thw"), arrays.get("video_grid_thw"))
             rope_delta = int(deltas.reshape(-1)[0].item())
-        for start in range(reused, len(prompt) - 1, self.step_size):
-            end = min(start + self.step_size, len(prompt) - 1)
-            chunk = {} if embeddings is None else {"inputs_embeds": embeddings[:, start:end]}
+            generated = text_positions(media_end + rope_delta, 1, len(prompt) - media_end)
+            positions = mx.concatenate([positions, generated.astype(positions.dtype)], axis=-1)
+        last = len(prompt) - 1
+        for start, end in chain(self._chunks(reused, min(media_end, last)), self._chunks(max(reused, media_end), last)):
+            chunk = {} if embeddings is None or start >= media_end else {"inputs_embeds": embeddings[:, start:end]}
             if positions is not None:
                 chunk["position_ids"] = positions[..., start:end]
             self.language_model(ids[:, start:end], cache=cache, **chunk)
             mx.eval([c.state for c in cache])
         return [RopeKVCache.of(c, rope_delta) for c in cache] if self.mrope else cache
+
+    def _chunks(self, start: int, end: int) -> Iterator[tuple[int, int]]:
+        """[start, end) in pieces of at most step_size."""
+        for first in range(start, end, self.step_size):
+            yield first, min(first + self.step_size, end)
