@@ -140,7 +140,7 @@ def http_system(name: str, model_dir: str, max_concurrency: int, env: dict | Non
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, **(env or {})}
     if name == "mlxd":
-        argv = [sys.executable, "-m", "gateway", "serve", "--model", model_dir, "--port", str(port),
+        argv = [sys.executable, "-m", "gateway", "serve", "--preload", "--model", model_dir, "--port", str(port),
                 "--max-batch", str(max_concurrency)]
         extra = {"ignore_eos": True}
     else:

@@ -37,9 +37,11 @@ def free_port() -> int:
 
 
 def start(model: str, env: dict, flags: list[str] = (), stderr=subprocess.DEVNULL) -> tuple[subprocess.Popen, str, float]:
-    """`mlxd serve` (with `flags`) on a free port, once its worker is ready."""
+    """`mlxd serve` (with `flags`) on a free port, once its worker is ready
+    (preloaded: a model that loaded on the first request would put its load
+    into the measurement)."""
     port = free_port()
-    args = [MLXD, "serve", "--port", str(port), *flags] + (["--model", model] if model else [])
+    args = [MLXD, "serve", "--preload", "--port", str(port), *flags] + (["--model", model] if model else [])
     started = time.monotonic()
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
     url = f"http://127.0.0.1:{port}"

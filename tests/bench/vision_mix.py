@@ -55,12 +55,15 @@ async def users(client: Client, model: str, count: int, requests: int, tokens: i
 async def phase(url: str, model: str, args, with_vision: bool) -> tuple[Result, Result]:
     text, vision = Result(), Result()
     client = Client(url)
-    loop = asyncio.get_running_loop()
-    begin = loop.time()
     jobs = [users(client, model, args.text_users, args.requests, args.tokens, lambda _: TEXT, text)]
     if with_vision:
+        # Encoded before the clock starts: PNG-encoding random pixels on the
+        # load generator's loop would stall its reading of the text streams.
+        bodies = [image_messages(1000 + i, args.image_size) for i in range(args.requests // 2)]
         jobs.append(users(client, model, args.vision_users, args.requests // 2, args.tokens,
-                          lambda i: image_messages(1000 + i, args.image_size), vision))
+                          bodies.__getitem__, vision))
+    loop = asyncio.get_running_loop()
+    begin = loop.time()
     try:
         await asyncio.gather(*jobs)
     finally:
