@@ -6,7 +6,8 @@ Runs on the worker's main thread only; every method may call into MLX.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -32,11 +33,23 @@ class Admitted:
     """One request in the engine, from add to finish or abort."""
 
     request_id: str
-    uid: int  # the BatchGenerator's
     top_logprobs: int | None  # alternatives wanted with each token's logprob; None: no logprobs
     cached_tokens: int | None  # prompt tokens from the prefix cache, until the first output reports them
-    cache_key: list[int] | None  # a request with images: its prefix-cache key (see worker.vision)
+    cache_key: list[int] | None = None  # a request with images: its prefix-cache key (see worker.vision)
+    uid: int | None = None  # the BatchGenerator's, once it joined the batch
     waiting: bool = True  # not prefilled yet
+
+
+@dataclass(slots=True)
+class Joining:
+    """What mlx-lm's batch takes for a request besides its prompt and cache."""
+
+    admitted: Admitted
+    max_tokens: int
+    sampler: Callable[[mx.array], mx.array]
+    processors: list
+    stop_sequences: StopSequences
+
 
 
 class Engine:
@@ -69,6 +82,9 @@ class Engine:
         )
         self._requests: dict[str, Admitted] = {}
         self._by_uid: dict[int, Admitted] = {}
+        # Requests with images whose prompt is prefilled a piece per step
+        # (worker.vision), oldest first; each joins the batch when done.
+        self._prefilling: deque[tuple[Joining, list[int], Generator[None, None, list]]] = deque()
         # Read by the heartbeat thread: a plain counter, never an iteration
         # over a dict the main thread is changing.
         self.waiting = 0
@@ -144,44 +160,65 @@ class Engine:
         media_end = len(prompt) - request.generated_tokens  # image positions lie before it
         key = vision.cache_key(prompt, media_end, buffers) if vision is not None and request.tensors else prompt
         cache, reused = self.prefix_cache.take(key) if self.prefix_cache else (None, 0)
-        image_key = None
-        rest, done = prompt[reused:], prompt[:reused]
+        admitted = Admitted(request.request_id, s.logprobs, reused)
+        # None is mlx-lm's "none" for a sampler (the batch's argmax), though its type hints do not say so.
+        joining = Joining(admitted, max_tokens, make_sampler(s, self.vocab_size), processors,  # type: ignore[arg-type]
+                          StopSequences([[t] for t in stop_ids]))
         if vision is not None and request.tensors:
             tensors = {t.name: np.frombuffer(b, dtype=t.dtype).reshape(t.shape)
                        for t, b in zip(request.tensors, buffers)}
+            pieces = vision.prefill(prompt, media_end, tensors, cache, reused)
+            admitted.cache_key = key
             try:
-                cache = vision.prefill(prompt, media_end, tensors, cache, reused)
-            except (ValueError, TypeError, IndexError) as e:  # inputs this model cannot take
+                next(pieces)  # the vision tower, where inputs this model cannot take show
+            except (ValueError, TypeError, IndexError) as e:
                 raise InvalidRequest(f"the vision model cannot take these inputs: {e}") from None
-            rest, done = prompt[-1:], prompt[:-1]
-            image_key = key
-        elif vision is not None:
-            cache = vision.batch_cache(cache)
-        # None is mlx-lm's "none" for a cache and for a sampler (the batch's
-        # argmax) alike, though its type hints do not say so.
+            except StopIteration as finished:  # the reused cache held the whole prompt
+                self._join(joining, prompt[-1:], prompt[:-1], finished.value)
+            else:
+                self._prefilling.append((joining, prompt, pieces))
+        else:
+            self._join(joining, prompt[reused:], prompt[:reused], vision.batch_cache(cache) if vision else cache)
+        self._requests[request.request_id] = admitted
+        self.waiting += 1
+
+    def _join(self, joining: Joining, rest: list[int], done: list[int], cache: list | None) -> None:
+        """Into mlx-lm's batch: `rest` of the prompt to prefill there, `done` in `cache`."""
         (uid,) = self._generator.insert(
             [rest],
-            caches=[cache],  # type: ignore[list-item]
+            caches=[cache],  # type: ignore[list-item]  # None: a fresh one
             all_tokens=[done],
-            max_tokens=[max_tokens],
-            samplers=[make_sampler(s, self.vocab_size)],  # type: ignore[list-item]
-            logits_processors=[processors],
-            stop_sequences=[StopSequences([[t] for t in stop_ids])],
+            max_tokens=[joining.max_tokens],
+            samplers=[joining.sampler],
+            logits_processors=[joining.processors],
+            stop_sequences=[joining.stop_sequences],
         )
-        admitted = Admitted(request.request_id, uid, s.logprobs, reused, image_key)
-        self._requests[request.request_id] = admitted
-        self._by_uid[uid] = admitted
-        self.waiting += 1
+        joining.admitted.uid = uid
+        self._by_uid[uid] = joining.admitted
+
+    def _prefill_piece(self) -> None:
+        """One piece of the first request with images still prefilling; once
+        its prompt is in its cache, it joins the batch for its last token."""
+        joining, prompt, pieces = self._prefilling[0]
+        try:
+            next(pieces)
+        except StopIteration as finished:
+            self._prefilling.popleft()
+            self._join(joining, prompt[-1:], prompt[:-1], finished.value)
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop requests; unknown or finished ids are ignored (aborts are idempotent)."""
         dropped = [self._requests[r] for r in dict.fromkeys(request_ids) if r in self._requests]
         if not dropped:
             return
-        caches = self._generator.remove([r.uid for r in dropped], return_prompt_caches=self.prefix_cache is not None)
-        if self.prefix_cache is not None:
-            for uid, (cache, tokens) in caches.items():
-                self.prefix_cache.keep(self._cache_key(self._by_uid[uid], tokens), cache)
+        if joined := [r.uid for r in dropped if r.uid is not None]:
+            caches = self._generator.remove(joined, return_prompt_caches=self.prefix_cache is not None)
+            if self.prefix_cache is not None:
+                for uid, (cache, tokens) in caches.items():
+                    self.prefix_cache.keep(self._cache_key(self._by_uid[uid], tokens), cache)
+        if len(joined) < len(dropped):  # some were still prefilling their images
+            ids = {r.request_id for r in dropped}
+            self._prefilling = deque(p for p in self._prefilling if p[0].admitted.request_id not in ids)
         for admitted in dropped:
             self._finish(admitted)
 
@@ -194,7 +231,8 @@ class Engine:
         """It finished or was aborted: the engine forgets it."""
         self._started(admitted)
         del self._requests[admitted.request_id]
-        del self._by_uid[admitted.uid]
+        if admitted.uid is not None:
+            del self._by_uid[admitted.uid]
 
     def _started(self, admitted: Admitted) -> None:
         """It is prefilled: no longer waiting."""
@@ -210,7 +248,10 @@ class Engine:
         return tokens if key is None else key + list(tokens[len(key):])
 
     def step(self) -> list[RequestOutput]:
-        """One continuous-batching step: a prefill chunk and/or one decode token each."""
+        """One continuous-batching step: a prefill chunk and/or one decode token
+        each, and a piece of the oldest image prefill."""
+        if self._prefilling:
+            self._prefill_piece()
         prompt_responses, generation_responses = self._generator.next()
         self.steps += 1
         for r in prompt_responses:

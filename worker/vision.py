@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from itertools import chain
 from pathlib import Path
 
@@ -154,10 +154,13 @@ class VisionPrefill:
         return [RopeKVCache.of(c) for c in cache]
 
     def prefill(self, prompt: list[int], media_end: int, tensors: dict[str, np.ndarray], cache: list | None,
-                reused: int) -> list:
+                reused: int) -> Generator[None, None, list]:
         """The KV cache after prompt[:-1], continuing `cache` (which holds
-        prompt[:reused]) or a fresh one. Image positions lie before
-        `media_end`; what follows is text the request generated (resumed)."""
+        prompt[:reused]) or a fresh one, in bounded pieces: each `next` runs
+        one (the vision tower first, then a chunk of the prompt), so that the
+        engine can decode the running requests between them; the cache is the
+        generator's return value. Image positions lie before `media_end`;
+        what follows is text the request generated (resumed)."""
         ids = mx.array([prompt])
         media = ids[:, :media_end]
         if cache is None:
@@ -167,6 +170,7 @@ class VisionPrefill:
         embeddings = None  # when every image position is in the reused cache: text alone
         if self.image_token_id in prompt[reused:media_end]:
             embeddings = self.vlm.get_input_embeddings(media, pixel_values, **arrays).inputs_embeds
+            mx.eval(embeddings)
         positions, rope_delta = None, 0
         if self.mrope:
             positions, deltas = self.vlm.language_model.get_rope_index(
@@ -176,6 +180,7 @@ class VisionPrefill:
             positions = mx.concatenate([positions, generated.astype(positions.dtype)], axis=-1)
         last = len(prompt) - 1
         for start, end in chain(self._chunks(reused, min(media_end, last)), self._chunks(max(reused, media_end), last)):
+            yield
             chunk = {} if embeddings is None or start >= media_end else {"inputs_embeds": embeddings[:, start:end]}
             if positions is not None:
                 chunk["position_ids"] = positions[..., start:end]
