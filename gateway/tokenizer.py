@@ -35,6 +35,12 @@ from protocol import Tensor  # noqa: E402
 from protocol.codec import TENSOR_DTYPES  # noqa: E402
 
 
+# What a processor makes of the prompt rather than its images: the token ids
+# travel as such, and per-token masks would make the images' tensors (and so
+# their cache keys in the worker) depend on the text around them.
+PROMPT_ARRAYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
+
+
 class PromptError(ValueError):
     """A prompt the tokenizer or chat template cannot render; a 400 for the client."""
 
@@ -154,7 +160,7 @@ class Tokenizer:
             raise PromptError(f"the model's processor rejected these images: {e}") from None
         tensors, arrays = [], []
         for name, value in out.items():
-            if name in ("input_ids", "attention_mask"):
+            if name in PROMPT_ARRAYS:
                 continue
             array = np.ascontiguousarray(value)
             if array.dtype == np.float64:

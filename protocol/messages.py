@@ -195,6 +195,9 @@ class PrefixCacheStats(msgspec.Struct, array_like=True):
     cached_tokens: int  # prompt tokens whose KV state was reused, in total
     bytes: int
     entries: int
+    # A vision model's image features kept for reuse (worker.vision.FeatureCache).
+    image_hits: int = 0  # requests whose images skipped the vision tower
+    image_bytes: int = 0
 
 
 class MemoryStats(msgspec.Struct, array_like=True):

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
@@ -200,6 +201,30 @@ def test_images_of_different_sizes_in_one_batch_each_answer_as_alone(client, vis
         answers = list(pool.map(lambda i: chat(client, openai_messages(data_url(i)), max_tokens=24)
                                 .choices[0].message.content, images))
     assert answers == expected
+
+
+def test_an_image_seen_before_skips_the_vision_tower(client, vision_server, vision_reference):
+    """Other text before the same image: the prefix cache holds nothing past
+    the system prompt, the feature cache has the image's features."""
+    img = image(70)
+
+    def ask(system: str) -> tuple[str, str]:
+        answer = chat(client, [{"role": "system", "content": system}] + openai_messages(data_url(img)))
+        expected = vision_reference.greedy([{"role": "system", "content": system}] + template_messages(1), [img], 16)
+        return answer.choices[0].message.content, expected.text
+
+    def image_hits() -> int:
+        return vision_server.health()["worker"]["prefix_cache"]["image_hits"]
+
+    answer, expected = ask("Answer in one word.")
+    assert answer == expected
+    time.sleep(0.2)  # past the heartbeat after that request
+    before = image_hits()
+    answer, expected = ask("Take your time and describe everything.")
+    assert answer == expected
+    wait_for(lambda: image_hits() == before + 1, 2, "the feature cache's hit")
+    metrics = vision_server.http.get("/metrics").text
+    assert f"mlxd_image_feature_cache_hits {before + 1}" in metrics
 
 
 def test_images_one_pixel_apart_never_share_cached_state(client, vision_reference):

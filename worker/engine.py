@@ -15,11 +15,11 @@ import numpy as np
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import make_logits_processors
 
-from protocol import AddRequest, RequestOutput, TokenLogprob
+from protocol import AddRequest, PrefixCacheStats, RequestOutput, TokenLogprob
 from worker.grammar import GrammarError, Grammars
 from worker.prefix_cache import PrefixCache
 from worker.sampling import make_sampler
-from worker.vision import VisionPrefill
+from worker.vision import VisionPrefill, images_key
 
 MAX_TOP_LOGPROBS = 20
 
@@ -93,6 +93,17 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._requests)
 
+    def cache_stats(self) -> PrefixCacheStats | None:
+        """The prefix cache's counters, and the image feature cache's (plain
+        numbers: the heartbeat thread reads them)."""
+        if self.prefix_cache is None:
+            return None
+        stats = self.prefix_cache.stats()
+        features = self.vision.features if self.vision else None
+        if features is not None:
+            stats.image_hits, stats.image_bytes = features.hits, features.nbytes
+        return stats
+
     @property
     def running(self) -> int:
         return len(self._requests) - self.waiting
@@ -158,16 +169,17 @@ class Engine:
         prompt = request.prompt_token_ids
         vision = self.vision
         media_end = len(prompt) - request.generated_tokens  # image positions lie before it
-        key = vision.cache_key(prompt, media_end, buffers) if vision is not None and request.tensors else prompt
+        images = images_key(buffers) if vision is not None and request.tensors else None
+        key = prompt if vision is None or images is None else vision.cache_key(prompt, media_end, images)
         cache, reused = self.prefix_cache.take(key) if self.prefix_cache else (None, 0)
         admitted = Admitted(request.request_id, s.logprobs, reused)
         # None is mlx-lm's "none" for a sampler (the batch's argmax), though its type hints do not say so.
         joining = Joining(admitted, max_tokens, make_sampler(s, self.vocab_size), processors,  # type: ignore[arg-type]
                           StopSequences([[t] for t in stop_ids]))
-        if vision is not None and request.tensors:
+        if vision is not None and images is not None:
             tensors = {t.name: np.frombuffer(b, dtype=t.dtype).reshape(t.shape)
                        for t, b in zip(request.tensors, buffers)}
-            pieces = vision.prefill(prompt, media_end, tensors, cache, reused)
+            pieces = vision.prefill(prompt, media_end, images, tensors, cache, reused)
             admitted.cache_key = key
             try:
                 next(pieces)  # the vision tower, where inputs this model cannot take show

@@ -158,7 +158,7 @@ class Worker:
             running=self.engine.running,
             waiting=self.engine.waiting,
             affinity=self.audit.report() if self.audit else None,
-            prefix_cache=self.engine.prefix_cache.stats() if self.engine.prefix_cache else None,
+            prefix_cache=self.engine.cache_stats(),
             memory=self.memory,
         )
 

@@ -23,7 +23,7 @@ from worker.model_source import ModelNotFound
 from worker.prefix_cache import PrefixCache
 from worker.serve import Worker
 from worker.transport import TransportError, connect
-from worker.vision import VisionPrefill
+from worker.vision import FeatureCache, VisionPrefill
 
 log = logging.getLogger("mlxd.worker")
 
@@ -64,8 +64,12 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
     weights = weights_bytes(loaded.model)
     set_limits(settings.memory_limit_bytes, weights)
     vision = None
+    prefix_cache_bytes = settings.prefix_cache_bytes
     if loaded.image_token_id is not None:
-        vision = VisionPrefill(loaded.model, loaded.image_token_id, settings.prefill_chunk)
+        # An eighth of the reuse budget keeps image features, the rest KV state.
+        features = FeatureCache(prefix_cache_bytes // 8) if prefix_cache_bytes else None
+        prefix_cache_bytes -= features.budget if features else 0
+        vision = VisionPrefill(loaded.model, loaded.image_token_id, settings.prefill_chunk, features)
     text_model = vision.language_model if vision else loaded.model
     engine = Engine(
         text_model,
@@ -76,7 +80,7 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         prefill_batch_size=settings.prefill_batch,
         prefill_step_size=settings.prefill_chunk,
         grammars=Grammars(loaded.hf_tokenizer, loaded.vocab_size, loaded.eos_token_ids),
-        prefix_cache=PrefixCache(settings.prefix_cache_bytes) if settings.prefix_cache_bytes else None,
+        prefix_cache=PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None,
         vision=vision,
     )
     hello = Hello(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Generator, Iterator, Sequence
 from itertools import chain
 from pathlib import Path
@@ -123,6 +124,35 @@ class LanguageModel(nn.Module):
         return getattr(out, "logits", out)
 
 
+class FeatureCache:
+    """What the vision tower made of a request's images (their embeddings at
+    the prompt's image positions), by the images' key, LRU within a byte
+    budget: images seen again skip the tower even where the prefix cache
+    cannot help (other text before them, or their KV state evicted). The key
+    hashes the processor's output, so its settings count too."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget = budget_bytes
+        self.nbytes = 0
+        self.hits = 0
+        self._rows: OrderedDict[int, mx.array] = OrderedDict()
+
+    def get(self, key: int) -> mx.array | None:
+        rows = self._rows.get(key)
+        if rows is not None:
+            self._rows.move_to_end(key)
+            self.hits += 1
+        return rows
+
+    def put(self, key: int, rows: mx.array) -> None:
+        if rows.nbytes > self.budget or key in self._rows:
+            return
+        self._rows[key] = rows
+        self.nbytes += rows.nbytes
+        while self.nbytes > self.budget:
+            self.nbytes -= self._rows.popitem(last=False)[1].nbytes
+
+
 def images_key(buffers: Sequence[memoryview]) -> int:
     """A stand-in token for every image placeholder position in prefix-cache
     keys: negative (no real token id is), and derived from the bytes of the
@@ -136,16 +166,17 @@ def images_key(buffers: Sequence[memoryview]) -> int:
 
 
 class VisionPrefill:
-    def __init__(self, vlm: nn.Module, image_token_id: int, step_size: int) -> None:
+    def __init__(self, vlm: nn.Module, image_token_id: int, step_size: int, features: FeatureCache | None) -> None:
         self.vlm = vlm
         self.mrope = vlm.config.model_type in MROPE_FAMILIES
         self.language_model = LanguageModel(vlm, self.mrope)
         self.image_token_id = image_token_id
         self.step_size = step_size
+        self.features = features
 
-    def cache_key(self, prompt: list[int], media_end: int, buffers: Sequence[memoryview]) -> list[int]:
-        key = images_key(buffers)
-        return [key if t == self.image_token_id and i < media_end else t for i, t in enumerate(prompt)]
+    def cache_key(self, prompt: list[int], media_end: int, images: int) -> list[int]:
+        """The prefix-cache key of a prompt whose images' key is `images`."""
+        return [images if t == self.image_token_id and i < media_end else t for i, t in enumerate(prompt)]
 
     def batch_cache(self, cache: list | None) -> list | None:
         """A text request's cache (from the prefix cache) as the batch takes it."""
@@ -153,14 +184,15 @@ class VisionPrefill:
             return cache
         return [RopeKVCache.of(c) for c in cache]
 
-    def prefill(self, prompt: list[int], media_end: int, tensors: dict[str, np.ndarray], cache: list | None,
-                reused: int) -> Generator[None, None, list]:
+    def prefill(self, prompt: list[int], media_end: int, images: int, tensors: dict[str, np.ndarray],
+                cache: list | None, reused: int) -> Generator[None, None, list]:
         """The KV cache after prompt[:-1], continuing `cache` (which holds
         prompt[:reused]) or a fresh one, in bounded pieces: each `next` runs
         one (the vision tower first, then a chunk of the prompt), so that the
         engine can decode the running requests between them; the cache is the
         generator's return value. Image positions lie before `media_end`;
-        what follows is text the request generated (resumed)."""
+        what follows is text the request generated (resumed); `images` is
+        the key of the images `tensors` hold."""
         ids = mx.array([prompt])
         media = ids[:, :media_end]
         if cache is None:
@@ -169,8 +201,7 @@ class VisionPrefill:
         pixel_values = arrays.pop("pixel_values", None)
         embeddings = None  # when every image position is in the reused cache: text alone
         if self.image_token_id in prompt[reused:media_end]:
-            embeddings = self.vlm.get_input_embeddings(media, pixel_values, **arrays).inputs_embeds
-            mx.eval(embeddings)
+            embeddings = self._embeddings(media, images, pixel_values, arrays)
         positions, rope_delta = None, 0
         if self.mrope:
             positions, deltas = self.vlm.language_model.get_rope_index(
@@ -187,6 +218,25 @@ class VisionPrefill:
             self.language_model(ids[:, start:end], cache=cache, **chunk)
             mx.eval([c.state for c in cache])
         return [RopeKVCache.of(c, rope_delta) for c in cache] if self.mrope else cache
+
+    def _embeddings(self, media: mx.array, images: int, pixel_values: mx.array | None,
+                    arrays: dict[str, mx.array]) -> mx.array:
+        """The prompt's input embeddings: the vision tower's features at its
+        image positions (from the feature cache when these images were seen),
+        the family's own text embeddings elsewhere."""
+        positions = mx.array(np.flatnonzero(np.array(media[0]) == self.image_token_id))
+        rows = self.features.get(images) if self.features is not None else None
+        if rows is None:
+            embeddings = self.vlm.get_input_embeddings(media, pixel_values, **arrays).inputs_embeds
+            if self.features is not None:
+                rows = embeddings[0, positions]
+                mx.eval(embeddings, rows)
+                self.features.put(images, rows)
+        else:
+            embeddings = self.vlm.get_input_embeddings(media, None, **arrays).inputs_embeds
+            embeddings[0, positions] = rows
+        mx.eval(embeddings)
+        return embeddings
 
     def _chunks(self, start: int, end: int) -> Iterator[tuple[int, int]]:
         """[start, end) in pieces of at most step_size."""

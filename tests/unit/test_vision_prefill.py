@@ -34,7 +34,7 @@ def reference(vision_model):
 
 def engine_for(path) -> Engine:
     model, image_token_id = load_vision_model(path)
-    vision = VisionPrefill(model, image_token_id, CHUNK)
+    vision = VisionPrefill(model, image_token_id, CHUNK, None)
     return Engine(vision.language_model, eos_token_ids=[], vocab_size=model.config.vocab_size, context_length=2048,
                   capacity=8, prefill_batch_size=4, prefill_step_size=CHUNK, vision=vision)
 
