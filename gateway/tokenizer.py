@@ -34,7 +34,6 @@ from gateway.parsing import detect_reasoning, detect_tool_family  # noqa: E402
 from protocol import Tensor  # noqa: E402
 from protocol.codec import TENSOR_DTYPES  # noqa: E402
 
-
 # What a processor makes of the prompt rather than its images: the token ids
 # travel as such, and per-token masks would make the images' tensors (and so
 # their cache keys in the worker) depend on the text around them.

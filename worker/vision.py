@@ -56,7 +56,7 @@ def load_vision_model(path: Path) -> tuple[nn.Module, int]:
     if model_type not in VISION_FAMILIES:
         raise UnsupportedVisionModel(
             f"{path} is a {model_type!r} vision model; mlxd serves the vision families "
-            f"{', '.join(sorted(VISION_FAMILIES))} (docs/api.md lists them and why others are refused)"
+            f"{', '.join(sorted(VISION_FAMILIES))} (the README's Images section says why others are refused)"
         )
     model = load_model(path)
     config = model.config

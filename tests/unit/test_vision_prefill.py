@@ -13,7 +13,7 @@ from protocol import AddRequest, Sampling, Tensor
 from tests.reference import VisionReference
 from tests.tiny_vision_model import make_tiny_vision_model
 from worker.engine import Engine
-from worker.vision import VisionPrefill, load_vision_model
+from worker.vision import UnsupportedVisionModel, VisionPrefill, load_vision_model
 
 CHUNK = 8
 MESSAGES = [{"role": "user", "content": [
@@ -88,3 +88,10 @@ def test_a_request_aborted_while_its_image_prefills_is_gone(vision_model, refere
     while engine.has_work:
         tokens += [t for o in engine.step() for t in o.token_ids]
     assert len(tokens) == 3
+
+
+def test_an_untested_family_is_refused_at_load_naming_the_served_ones(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "idefics3", "vision_config": {}}')
+    with pytest.raises(UnsupportedVisionModel, match="'idefics3' vision model; mlxd serves the vision families "
+                                                     "llava, qwen2_5_vl, qwen2_vl"):
+        load_vision_model(tmp_path)
