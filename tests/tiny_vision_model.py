@@ -5,10 +5,10 @@ family's image tokens, and the family's image processor configuration. mlx-vlm
 loads each; transformers runs its image preprocessing (without PyTorch).
 
 LLaVA: a CLIP vision tower and a llama; every image is IMAGE_SIZE square and
-takes the same tokens. Qwen2-VL and Qwen2.5-VL: vision towers of their own,
-an image's token count following its size (28-pixel cells), and a language
-model with multimodal rotary positions (mRoPE), whose prompts with images run
-their positions behind their length.
+takes the same tokens. Qwen2-VL, Qwen2.5-VL and Qwen3-VL: vision towers of
+their own, an image's token count following its size (28- or 32-pixel cells),
+and a language model with multimodal rotary positions (mRoPE), whose prompts
+with images run their positions behind their length.
 """
 
 from __future__ import annotations
@@ -22,19 +22,19 @@ from tokenizers import AddedToken
 
 from tests.tiny_model import train_tokenizer
 
-FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl")
+FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 IMAGE_SIZE = 28
 PATCH_SIZE = 14
 
 # What one image part of a message becomes in each family's prompt; the
 # processor expands the image token to the image's tokens.
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
-IMAGE_TEXT = {"llava": "<image>", "qwen2_vl": QWEN_IMAGE, "qwen2_5_vl": QWEN_IMAGE}
+IMAGE_TEXT = {"llava": "<image>", "qwen2_vl": QWEN_IMAGE, "qwen2_5_vl": QWEN_IMAGE, "qwen3_vl": QWEN_IMAGE}
 IMAGE_TOKENS = {
     "llava": ["<image>"],
     "qwen2_vl": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
 }
-IMAGE_TOKENS["qwen2_5_vl"] = IMAGE_TOKENS["qwen2_vl"]
+IMAGE_TOKENS["qwen2_5_vl"] = IMAGE_TOKENS["qwen3_vl"] = IMAGE_TOKENS["qwen2_vl"]
 
 
 def chat_template(image_text: str) -> str:
@@ -132,40 +132,52 @@ def _qwen_vl(path: Path, tok, family: str, seed: int):
     import importlib
 
     module = importlib.import_module(f"mlx_vlm.models.{family}")
-    processor = "Qwen2VLProcessor" if family == "qwen2_vl" else "Qwen2_5_VLProcessor"
-    # Images from 28 x 28 to 112 x 112 pixels keep their size: 1 to 16 image tokens.
+    processor = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
+                 "qwen3_vl": "Qwen3VLProcessor"}[family]
+    patch = 16 if family == "qwen3_vl" else PATCH_SIZE
+    cell = 2 * patch  # a token's square of pixels, after the 2 x 2 merge
+    # Images from one cell to 4 x 4 cells keep their size: 1 to 16 image tokens.
     (path / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Qwen2VLImageProcessor",
         "processor_class": processor,
-        "min_pixels": 28 * 28,
-        "max_pixels": 112 * 112,
-        "patch_size": PATCH_SIZE,
+        "min_pixels": cell * cell,
+        "max_pixels": 16 * cell * cell,
+        "patch_size": patch,
         "temporal_patch_size": 2,
         "merge_size": 2,
         "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5],
     }))
-    vision = {"model_type": family, "depth": 2, "num_heads": 2, "patch_size": PATCH_SIZE, "spatial_patch_size": PATCH_SIZE,
+    vision = {"model_type": family, "depth": 2, "num_heads": 2, "patch_size": patch, "spatial_patch_size": patch,
               "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}
     if family == "qwen2_vl":
         vision |= {"embed_dim": 32, "hidden_size": TEXT_CONFIG["hidden_size"], "mlp_ratio": 2}
-    else:  # windowed attention in the first block, full in the second
+    elif family == "qwen2_5_vl":  # windowed attention in the first block, full in the second
         vision |= {"hidden_size": 32, "intermediate_size": 64, "out_hidden_size": TEXT_CONFIG["hidden_size"],
                    "window_size": 56, "fullatt_block_indexes": [1], "tokens_per_second": 2}
+    else:  # learned position embeddings on an 8 x 8 grid; the first block's features also enter layer 0 (deepstack)
+        vision |= {"hidden_size": 32, "intermediate_size": 64, "out_hidden_size": TEXT_CONFIG["hidden_size"],
+                   "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}
     ids = {t: tok.token_to_id(t) for t in IMAGE_TOKENS[family]}
     # head_dim 16: 8 rotary frequencies, split over time, height and width.
+    text = {**TEXT_CONFIG, "vocab_size": tok.get_vocab_size(), "rope_theta": 10000.0,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
     config = {
-        "model_type": family, **TEXT_CONFIG, "vocab_size": tok.get_vocab_size(), "rope_theta": 10000.0,
-        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-        "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+        "model_type": family, "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
         "eos_token_id": tok.token_to_id("<|im_end|>"), "vision_config": vision,
     }
+    if family == "qwen3_vl":  # its language model's settings nest under text_config
+        config |= {"text_config": {"model_type": "qwen3_vl_text", **text, "head_dim": 16},
+                   "vocab_size": text["vocab_size"]}
+    else:
+        config |= {**text}
     model_config = module.ModelConfig.from_dict(dict(config))
-    model_config.text_config = module.TextConfig.from_dict(config)
+    model_config.text_config = module.TextConfig.from_dict(config.get("text_config", config))
     model_config.vision_config = module.VisionConfig.from_dict(vision)
     mx.random.seed(seed)
     model = module.Model(model_config)
-    merger = model.vision_tower.merger.mlp[-1]
-    merger.weight = merger.weight * 8
+    merger = model.vision_tower.merger
+    last = merger.linear_fc2 if family == "qwen3_vl" else merger.mlp[-1]
+    last.weight = last.weight * 8
     return config, model

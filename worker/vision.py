@@ -38,8 +38,8 @@ PROCESSOR_FILE_NAMES = {"preprocessor_config.json", "processor_config.json"}
 # model in the tests whose answers through HTTP equal mlx-vlm's. Others are
 # refused at load: a family's position scheme or processor untested here
 # could answer wrongly rather than fail.
-VISION_FAMILIES = {"llava", "qwen2_vl", "qwen2_5_vl"}
-MROPE_FAMILIES = {"qwen2_vl", "qwen2_5_vl"}
+VISION_FAMILIES = {"llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
+MROPE_FAMILIES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 
 
 class UnsupportedVisionModel(ValueError):
@@ -126,7 +126,8 @@ class LanguageModel(nn.Module):
 
 class FeatureCache:
     """What the vision tower made of a request's images (their embeddings at
-    the prompt's image positions), by the images' key, LRU within a byte
+    the prompt's image positions, and any features of theirs that enter the
+    first layers), by the images' key, LRU within a byte
     budget: images seen again skip the tower even where the prefix cache
     cannot help (other text before them, or their KV state evicted). The key
     hashes the processor's output, so its settings count too."""
@@ -135,22 +136,26 @@ class FeatureCache:
         self.budget = budget_bytes
         self.nbytes = 0
         self.hits = 0
-        self._rows: OrderedDict[int, mx.array] = OrderedDict()
+        self._entries: OrderedDict[int, tuple[list[mx.array], int]] = OrderedDict()
 
-    def get(self, key: int) -> mx.array | None:
-        rows = self._rows.get(key)
-        if rows is not None:
-            self._rows.move_to_end(key)
-            self.hits += 1
-        return rows
+    def get(self, key: int) -> list[mx.array] | None:
+        """The arrays kept for these images: their embedding rows, then any
+        per-layer features (deepstack)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return entry[0]
 
-    def put(self, key: int, rows: mx.array) -> None:
-        if rows.nbytes > self.budget or key in self._rows:
+    def put(self, key: int, arrays: list[mx.array]) -> None:
+        size = sum(a.nbytes for a in arrays)
+        if size > self.budget or key in self._entries:
             return
-        self._rows[key] = rows
-        self.nbytes += rows.nbytes
+        self._entries[key] = (arrays, size)
+        self.nbytes += size
         while self.nbytes > self.budget:
-            self.nbytes -= self._rows.popitem(last=False)[1].nbytes
+            self.nbytes -= self._entries.popitem(last=False)[1][1]
 
 
 def images_key(buffers: Sequence[memoryview]) -> int:
@@ -163,6 +168,16 @@ def images_key(buffers: Sequence[memoryview]) -> int:
         h.update(len(b).to_bytes(8, "little"))
         h.update(b)
     return -1 - int.from_bytes(h.digest()[:7], "little")
+
+
+def deepstack_chunk(visual: np.ndarray, layers: list[mx.array], start: int, end: int) -> dict:
+    """The deepstack arguments of prompt[start:end]: its image positions, and
+    each layer's features of the image tokens among them."""
+    first, count = int(visual[:start].sum()), int(visual[start:end].sum())
+    if not count:
+        return {}
+    return {"visual_pos_masks": mx.array(visual[None, start:end]),
+            "deepstack_visual_embeds": [features[first:first + count] for features in layers]}
 
 
 class VisionPrefill:
@@ -200,8 +215,9 @@ class VisionPrefill:
         arrays = {name: mx.array(a) for name, a in tensors.items()}
         pixel_values = arrays.pop("pixel_values", None)
         embeddings = None  # when every image position is in the reused cache: text alone
+        deepstack: tuple[np.ndarray, list[mx.array]] | None = None
         if self.image_token_id in prompt[reused:media_end]:
-            embeddings = self._embeddings(media, images, pixel_values, arrays)
+            embeddings, deepstack = self._embeddings(media, images, pixel_values, arrays)
         positions, rope_delta = None, 0
         if self.mrope:
             positions, deltas = self.vlm.language_model.get_rope_index(
@@ -215,28 +231,36 @@ class VisionPrefill:
             chunk = {} if embeddings is None or start >= media_end else {"inputs_embeds": embeddings[:, start:end]}
             if positions is not None:
                 chunk["position_ids"] = positions[..., start:end]
+            if deepstack is not None and start < media_end:
+                chunk |= deepstack_chunk(*deepstack, start, end)
             self.language_model(ids[:, start:end], cache=cache, **chunk)
             mx.eval([c.state for c in cache])
         return [RopeKVCache.of(c, rope_delta) for c in cache] if self.mrope else cache
 
     def _embeddings(self, media: mx.array, images: int, pixel_values: mx.array | None,
-                    arrays: dict[str, mx.array]) -> mx.array:
+                    arrays: dict[str, mx.array]) -> tuple[mx.array, tuple[np.ndarray, list[mx.array]] | None]:
         """The prompt's input embeddings: the vision tower's features at its
         image positions (from the feature cache when these images were seen),
-        the family's own text embeddings elsewhere."""
-        positions = mx.array(np.flatnonzero(np.array(media[0]) == self.image_token_id))
-        rows = self.features.get(images) if self.features is not None else None
-        if rows is None:
-            embeddings = self.vlm.get_input_embeddings(media, pixel_values, **arrays).inputs_embeds
-            if self.features is not None:
-                rows = embeddings[0, positions]
-                mx.eval(embeddings, rows)
-                self.features.put(images, rows)
-        else:
+        the family's own text embeddings elsewhere. And for a family whose
+        image features also enter the first layers (Qwen3-VL's "deepstack"),
+        the prompt's image positions and those layers' features."""
+        visual = np.array(media[0]) == self.image_token_id
+        positions = mx.array(np.flatnonzero(visual))
+        cached = self.features.get(images) if self.features is not None else None
+        if cached is not None:
+            rows, *layers = cached
             embeddings = self.vlm.get_input_embeddings(media, None, **arrays).inputs_embeds
             embeddings[0, positions] = rows
+        else:
+            features = self.vlm.get_input_embeddings(media, pixel_values, **arrays)
+            embeddings = features.inputs_embeds
+            layers = list(getattr(features, "deepstack_visual_embeds", None) or [])
+            if self.features is not None:
+                rows = embeddings[0, positions]
+                mx.eval(rows, layers)
+                self.features.put(images, [rows, *layers])
         mx.eval(embeddings)
-        return embeddings
+        return embeddings, (visual, layers) if layers else None
 
     def _chunks(self, start: int, end: int) -> Iterator[tuple[int, int]]:
         """[start, end) in pieces of at most step_size."""
