@@ -5,7 +5,8 @@ family's image tokens, and the family's image processor configuration. mlx-vlm
 loads each; transformers runs its image preprocessing (without PyTorch).
 
 LLaVA: a CLIP vision tower and a llama; every image is IMAGE_SIZE square and
-takes the same tokens. Qwen2-VL, Qwen2.5-VL and Qwen3-VL: vision towers of
+takes the same tokens. Idefics3: a SigLIP-style tower whose patches are
+shuffled into fewer tokens, and a llama. Qwen2-VL, Qwen2.5-VL and Qwen3-VL: vision towers of
 their own, an image's token count following its size (28- or 32-pixel cells),
 and a language model with multimodal rotary positions (mRoPE), whose prompts
 with images run their positions behind their length.
@@ -22,19 +23,21 @@ from tokenizers import AddedToken
 
 from tests.tiny_model import train_tokenizer
 
-FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3")
 IMAGE_SIZE = 28
 PATCH_SIZE = 14
 
 # What one image part of a message becomes in each family's prompt; the
 # processor expands the image token to the image's tokens.
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
-IMAGE_TEXT = {"llava": "<image>", "qwen2_vl": QWEN_IMAGE, "qwen2_5_vl": QWEN_IMAGE, "qwen3_vl": QWEN_IMAGE}
+IMAGE_TEXT = {"llava": "<image>", "qwen2_vl": QWEN_IMAGE, "qwen2_5_vl": QWEN_IMAGE, "qwen3_vl": QWEN_IMAGE,
+              "idefics3": "<image>"}
 IMAGE_TOKENS = {
     "llava": ["<image>"],
     "qwen2_vl": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
 }
 IMAGE_TOKENS["qwen2_5_vl"] = IMAGE_TOKENS["qwen3_vl"] = IMAGE_TOKENS["qwen2_vl"]
+IMAGE_TOKENS["idefics3"] = ["<fake_token_around_image>", "<image>", "<global-img>"]
 
 
 def chat_template(image_text: str) -> str:
@@ -70,7 +73,7 @@ def make_tiny_vision_model(path: Path, *, family: str = "llava", seed: int = 0, 
         "clean_up_tokenization_spaces": False,
     }))
     (path / "chat_template.json").write_text(json.dumps({"chat_template": chat_template(IMAGE_TEXT[family])}))
-    build = _llava if family == "llava" else _qwen_vl
+    build = {"llava": _llava, "idefics3": _idefics3}.get(family, _qwen_vl)
     config, model = build(path, tok, family, seed)
     (path / "config.json").write_text(json.dumps(config))
     # Sharpened logits keep greedy choices far apart (see make_tiny_model).
@@ -180,4 +183,43 @@ def _qwen_vl(path: Path, tok, family: str, seed: int):
     merger = model.vision_tower.merger
     last = merger.linear_fc2 if family == "qwen3_vl" else merger.mlp[-1]
     last.weight = last.weight * 8
+    return config, model
+
+
+def _idefics3(path: Path, tok, family: str, seed: int):
+    from mlx_vlm.models import idefics3
+
+    # Images resized to 112 x 112 (no splitting into tiles): 8 x 8 patches of
+    # 14 pixels, shuffled 2 x 2 into 16 image tokens between <fake_token_around_image>s.
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Idefics3ImageProcessor",
+        "processor_class": "Idefics3Processor",
+        "do_resize": True,
+        "size": {"longest_edge": 112},
+        "max_image_size": {"longest_edge": 112},
+        "do_image_splitting": False,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_convert_rgb": True,
+        "do_pad": True,
+    }))
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Idefics3Processor", "image_seq_len": 16}))
+    text = {"model_type": "llama", **TEXT_CONFIG, "vocab_size": tok.get_vocab_size()}
+    vision = {"model_type": "idefics3", "hidden_size": 32, "num_attention_heads": 2, "patch_size": PATCH_SIZE,
+              "num_hidden_layers": 2, "intermediate_size": 64, "image_size": 112}
+    config = {
+        "model_type": "idefics3", "image_token_id": tok.token_to_id("<image>"), "scale_factor": 2,
+        "vocab_size": tok.get_vocab_size(), "eos_token_id": tok.token_to_id("<|im_end|>"),
+        "text_config": text, "vision_config": vision,
+    }
+    model_config = idefics3.ModelConfig.from_dict(config)
+    model_config.text_config = idefics3.TextConfig.from_dict(text)
+    model_config.vision_config = idefics3.VisionConfig.from_dict(vision)
+    mx.random.seed(seed)
+    model = idefics3.Model(model_config)
+    connector = model.connector.modality_projection.proj
+    connector.weight = connector.weight * 8
     return config, model
