@@ -81,8 +81,9 @@ class VisionReference:
         if not images:
             return {"input_ids": mx.array([self.tokenizer.encode(text, add_special_tokens=False)])}
         out = self.processor(text=[text], images=images, return_tensors="np", add_special_tokens=False)
-        return {name: mx.array(value) for name, value in out.items()
-                if name not in ("attention_mask", "mm_token_type_ids")}
+        # The attention mask goes in as `mask`, as mlx-vlm's own generate passes it.
+        return {"mask" if name == "attention_mask" else name: mx.array(value) for name, value in out.items()
+                if name != "mm_token_type_ids"}
 
     def greedy(self, messages: list[dict], images: list, max_tokens: int, ignore_eos: bool = False) -> Expected:
         """mlx-vlm's own generation loop; it ends at EOS without yielding it

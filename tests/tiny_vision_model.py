@@ -6,7 +6,8 @@ loads each; transformers runs its image preprocessing (without PyTorch).
 
 LLaVA: a CLIP vision tower and a llama; every image is IMAGE_SIZE square and
 takes the same tokens. Idefics3: a SigLIP-style tower whose patches are
-shuffled into fewer tokens, and a llama. Qwen2-VL, Qwen2.5-VL and Qwen3-VL: vision towers of
+shuffled into fewer tokens, and a llama. Gemma 3: a SigLIP tower pooled to a
+fixed number of tokens, and Gemma's language model with a sliding-window layer. Qwen2-VL, Qwen2.5-VL and Qwen3-VL: vision towers of
 their own, an image's token count following its size (28- or 32-pixel cells),
 and a language model with multimodal rotary positions (mRoPE), whose prompts
 with images run their positions behind their length.
@@ -23,7 +24,7 @@ from tokenizers import AddedToken
 
 from tests.tiny_model import train_tokenizer
 
-FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3")
+FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "gemma3")
 IMAGE_SIZE = 28
 PATCH_SIZE = 14
 
@@ -31,13 +32,14 @@ PATCH_SIZE = 14
 # processor expands the image token to the image's tokens.
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 IMAGE_TEXT = {"llava": "<image>", "qwen2_vl": QWEN_IMAGE, "qwen2_5_vl": QWEN_IMAGE, "qwen3_vl": QWEN_IMAGE,
-              "idefics3": "<image>"}
+              "idefics3": "<image>", "gemma3": "<start_of_image>"}
 IMAGE_TOKENS = {
     "llava": ["<image>"],
     "qwen2_vl": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
 }
 IMAGE_TOKENS["qwen2_5_vl"] = IMAGE_TOKENS["qwen3_vl"] = IMAGE_TOKENS["qwen2_vl"]
 IMAGE_TOKENS["idefics3"] = ["<fake_token_around_image>", "<image>", "<global-img>"]
+IMAGE_TOKENS["gemma3"] = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
 
 
 def chat_template(image_text: str) -> str:
@@ -71,9 +73,12 @@ def make_tiny_vision_model(path: Path, *, family: str = "llava", seed: int = 0, 
         "pad_token": "<|endoftext|>",
         "model_max_length": 2048,
         "clean_up_tokenization_spaces": False,
+        # Gemma 3's processor finds its image tokens on the tokenizer.
+        **({"extra_special_tokens": {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+                                     "eoi_token": "<end_of_image>"}} if family == "gemma3" else {}),
     }))
     (path / "chat_template.json").write_text(json.dumps({"chat_template": chat_template(IMAGE_TEXT[family])}))
-    build = {"llava": _llava, "idefics3": _idefics3}.get(family, _qwen_vl)
+    build = {"llava": _llava, "idefics3": _idefics3, "gemma3": _gemma3}.get(family, _qwen_vl)
     config, model = build(path, tok, family, seed)
     (path / "config.json").write_text(json.dumps(config))
     # Sharpened logits keep greedy choices far apart (see make_tiny_model).
@@ -222,4 +227,47 @@ def _idefics3(path: Path, tok, family: str, seed: int):
     model = idefics3.Model(model_config)
     connector = model.connector.modality_projection.proj
     connector.weight = connector.weight * 8
+    return config, model
+
+
+def _gemma3(path: Path, tok, family: str, seed: int):
+    from mlx_vlm.models import gemma3
+
+    # 28 x 28 images, 2 x 2 patches of 14 pixels: 4 image tokens.
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Gemma3ImageProcessor",
+        "processor_class": "Gemma3Processor",
+        "do_resize": True,
+        "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_convert_rgb": True,
+        "do_pan_and_scan": False,
+    }))
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma3Processor", "image_seq_length": 4}))
+    # A sliding-window layer (window 128: prompts fit, long answers wrap it)
+    # beside a global one, as Gemma 3 has.
+    text = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
+            "sliding_window": 128, "sliding_window_pattern": 2, "mm_tokens_per_image": 4,
+            "vocab_size": tok.get_vocab_size(), "max_position_embeddings": 2048}
+    vision = {"model_type": "siglip_vision_model", "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
+              "num_attention_heads": 2, "patch_size": PATCH_SIZE, "image_size": IMAGE_SIZE}
+    config = {
+        "model_type": "gemma3", "image_token_index": tok.token_to_id("<image_soft_token>"), "hidden_size": 64,
+        "pad_token_id": tok.token_to_id("<|endoftext|>"), "vocab_size": tok.get_vocab_size(),
+        "eos_token_id": tok.token_to_id("<|im_end|>"), "text_config": text, "vision_config": vision,
+    }
+    model_config = gemma3.ModelConfig.from_dict(config)
+    model_config.text_config = gemma3.TextConfig.from_dict(text)
+    model_config.vision_config = gemma3.VisionConfig.from_dict(vision)
+    mx.random.seed(seed)
+    model = gemma3.Model(model_config)
+    # mlx-vlm starts the projection at all ones (a checkpoint sets it), which
+    # would give every image the same features.
+    projector = model.multi_modal_projector
+    projector.mm_input_projection_weight = mx.random.normal(projector.mm_input_projection_weight.shape) * 8
     return config, model

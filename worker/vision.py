@@ -38,7 +38,7 @@ PROCESSOR_FILE_NAMES = {"preprocessor_config.json", "processor_config.json"}
 # model in the tests whose answers through HTTP equal mlx-vlm's. Others are
 # refused at load: a family's position scheme or processor untested here
 # could answer wrongly rather than fail.
-VISION_FAMILIES = {"llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3"}
+VISION_FAMILIES = {"llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "gemma3"}
 MROPE_FAMILIES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 
 
@@ -252,7 +252,8 @@ class VisionPrefill:
             embeddings = self.vlm.get_input_embeddings(media, None, **arrays).inputs_embeds
             embeddings[0, positions] = rows
         else:
-            features = self.vlm.get_input_embeddings(media, pixel_values, **arrays)
+            # The mask says every position is the prompt's (Gemma 3 needs one).
+            features = self.vlm.get_input_embeddings(media, pixel_values, mask=mx.ones_like(media), **arrays)
             embeddings = features.inputs_embeds
             layers = list(getattr(features, "deepstack_visual_embeds", None) or [])
             if self.features is not None:

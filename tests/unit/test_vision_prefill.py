@@ -22,7 +22,7 @@ MESSAGES = [{"role": "user", "content": [
 ]}]
 
 
-@pytest.fixture(scope="module", params=["llava", "qwen2_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["llava", "qwen2_vl", "qwen3_vl", "gemma3"])
 def vision_model(request, tmp_path_factory):
     return make_tiny_vision_model(tmp_path_factory.mktemp("models") / request.param, family=request.param)
 
@@ -91,7 +91,7 @@ def test_a_request_aborted_while_its_image_prefills_is_gone(vision_model, refere
 
 
 def test_an_untested_family_is_refused_at_load_naming_the_served_ones(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "gemma3", "vision_config": {}}')
-    with pytest.raises(UnsupportedVisionModel, match="'gemma3' vision model; mlxd serves the vision families "
-                                                     "idefics3, llava, qwen2_5_vl, qwen2_vl, qwen3_vl"):
+    (tmp_path / "config.json").write_text('{"model_type": "paligemma", "vision_config": {}}')
+    with pytest.raises(UnsupportedVisionModel, match="'paligemma' vision model; mlxd serves the vision families "
+                                                     "gemma3, idefics3, llava, qwen2_5_vl, qwen2_vl, qwen3_vl"):
         load_vision_model(tmp_path)
