@@ -73,23 +73,30 @@ def files_digest(files: dict[str, bytes]) -> str:
 
 def load_processor(directory: str, tokenizer: Any) -> ProcessorMixin:
     """The model's processor, from its files in `directory`. One whose video
-    half needs PyTorch (Qwen2-VL's and Qwen2.5-VL's) is built from its image
-    processor and the tokenizer alone: mlxd sends it images only."""
+    half needs PyTorch (Qwen2-VL's, SmolVLM's) is built from its image
+    processor, the tokenizer and its own settings alone: mlxd sends it images
+    only."""
     try:
         return AutoProcessor.from_pretrained(directory)
     except ImportError:
-        config = json.loads((Path(directory) / "preprocessor_config.json").read_text())
-        processor_class = getattr(transformers, config.get("processor_class", ""), None)
+        processor_class = getattr(transformers, _settings(directory, "preprocessor_config.json")
+                                  .get("processor_class", ""), None)
         if processor_class is None:
             raise
     # The class checks each part's type against its video processor's, which
     # is what cannot load; the parts given here are the ones that did.
     images_only = type(processor_class.__name__, (processor_class,),
                        {"check_argument_for_proper_class": lambda self, name, argument: type(argument)})
-    template = Path(directory) / "chat_template.json"  # a processor's own file, which AutoProcessor would read
+    settings = {k: v for k, v in _settings(directory, "processor_config.json").items() if k != "processor_class"}
     return images_only(image_processor=AutoImageProcessor.from_pretrained(directory), tokenizer=tokenizer,
-                       video_processor=None,
-                       chat_template=json.loads(template.read_text())["chat_template"] if template.exists() else None)
+                       video_processor=None, **settings,
+                       chat_template=_settings(directory, "chat_template.json").get("chat_template"))
+
+
+def _settings(directory: str, name: str) -> dict:
+    """A processor's JSON file (as AutoProcessor would read it); {} if there is none."""
+    path = Path(directory) / name
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 class Tokenizer:

@@ -6,7 +6,8 @@ loads each; transformers runs its image preprocessing (without PyTorch).
 
 LLaVA: a CLIP vision tower and a llama; every image is IMAGE_SIZE square and
 takes the same tokens. Idefics3: a SigLIP-style tower whose patches are
-shuffled into fewer tokens, and a llama. Gemma 3: a SigLIP tower pooled to a
+shuffled into fewer tokens, and a llama (SmolVLM: the same under its own
+name and processor). Gemma 3: a SigLIP tower pooled to a
 fixed number of tokens, and Gemma's language model with a sliding-window layer. Qwen2-VL, Qwen2.5-VL and Qwen3-VL: vision towers of
 their own, an image's token count following its size (28- or 32-pixel cells),
 and a language model with multimodal rotary positions (mRoPE), whose prompts
@@ -24,7 +25,7 @@ from tokenizers import AddedToken
 
 from tests.tiny_model import train_tokenizer
 
-FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "gemma3")
+FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3")
 IMAGE_SIZE = 28
 PATCH_SIZE = 14
 
@@ -32,13 +33,13 @@ PATCH_SIZE = 14
 # processor expands the image token to the image's tokens.
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 IMAGE_TEXT = {"llava": "<image>", "qwen2_vl": QWEN_IMAGE, "qwen2_5_vl": QWEN_IMAGE, "qwen3_vl": QWEN_IMAGE,
-              "idefics3": "<image>", "gemma3": "<start_of_image>"}
+              "idefics3": "<image>", "smolvlm": "<image>", "gemma3": "<start_of_image>"}
 IMAGE_TOKENS = {
     "llava": ["<image>"],
     "qwen2_vl": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
 }
 IMAGE_TOKENS["qwen2_5_vl"] = IMAGE_TOKENS["qwen3_vl"] = IMAGE_TOKENS["qwen2_vl"]
-IMAGE_TOKENS["idefics3"] = ["<fake_token_around_image>", "<image>", "<global-img>"]
+IMAGE_TOKENS["idefics3"] = IMAGE_TOKENS["smolvlm"] = ["<fake_token_around_image>", "<image>", "<global-img>"]
 IMAGE_TOKENS["gemma3"] = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
 
 
@@ -78,7 +79,7 @@ def make_tiny_vision_model(path: Path, *, family: str = "llava", seed: int = 0, 
                                      "eoi_token": "<end_of_image>"}} if family == "gemma3" else {}),
     }))
     (path / "chat_template.json").write_text(json.dumps({"chat_template": chat_template(IMAGE_TEXT[family])}))
-    build = {"llava": _llava, "idefics3": _idefics3, "gemma3": _gemma3}.get(family, _qwen_vl)
+    build = {"llava": _llava, "idefics3": _idefics3, "smolvlm": _idefics3, "gemma3": _gemma3}.get(family, _qwen_vl)
     config, model = build(path, tok, family, seed)
     (path / "config.json").write_text(json.dumps(config))
     # Sharpened logits keep greedy choices far apart (see make_tiny_model).
@@ -192,13 +193,16 @@ def _qwen_vl(path: Path, tok, family: str, seed: int):
 
 
 def _idefics3(path: Path, tok, family: str, seed: int):
-    from mlx_vlm.models import idefics3
+    """Idefics3, or SmolVLM: Idefics3's model under its own name and processor."""
+    import importlib
 
+    module = importlib.import_module(f"mlx_vlm.models.{family}")
+    processor = "Idefics3Processor" if family == "idefics3" else "SmolVLMProcessor"
     # Images resized to 112 x 112 (no splitting into tiles): 8 x 8 patches of
     # 14 pixels, shuffled 2 x 2 into 16 image tokens between <fake_token_around_image>s.
     (path / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Idefics3ImageProcessor",
-        "processor_class": "Idefics3Processor",
+        "image_processor_type": processor.replace("Processor", "ImageProcessor"),
+        "processor_class": processor,
         "do_resize": True,
         "size": {"longest_edge": 112},
         "max_image_size": {"longest_edge": 112},
@@ -211,20 +215,20 @@ def _idefics3(path: Path, tok, family: str, seed: int):
         "do_convert_rgb": True,
         "do_pad": True,
     }))
-    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Idefics3Processor", "image_seq_len": 16}))
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": processor, "image_seq_len": 16}))
     text = {"model_type": "llama", **TEXT_CONFIG, "vocab_size": tok.get_vocab_size()}
-    vision = {"model_type": "idefics3", "hidden_size": 32, "num_attention_heads": 2, "patch_size": PATCH_SIZE,
+    vision = {"model_type": "idefics3" if family == "idefics3" else "smolvlm_vision", "hidden_size": 32, "num_attention_heads": 2, "patch_size": PATCH_SIZE,
               "num_hidden_layers": 2, "intermediate_size": 64, "image_size": 112}
     config = {
-        "model_type": "idefics3", "image_token_id": tok.token_to_id("<image>"), "scale_factor": 2,
+        "model_type": family, "image_token_id": tok.token_to_id("<image>"), "scale_factor": 2,
         "vocab_size": tok.get_vocab_size(), "eos_token_id": tok.token_to_id("<|im_end|>"),
         "text_config": text, "vision_config": vision,
     }
-    model_config = idefics3.ModelConfig.from_dict(config)
-    model_config.text_config = idefics3.TextConfig.from_dict(text)
-    model_config.vision_config = idefics3.VisionConfig.from_dict(vision)
+    model_config = module.ModelConfig.from_dict(config)
+    model_config.text_config = module.TextConfig.from_dict(text)
+    model_config.vision_config = module.VisionConfig.from_dict(vision)
     mx.random.seed(seed)
-    model = idefics3.Model(model_config)
+    model = module.Model(model_config)
     connector = model.connector.modality_projection.proj
     connector.weight = connector.weight * 8
     return config, model
