@@ -56,6 +56,10 @@ def chat_template(image_text: str) -> str:
     )
 
 
+# Every fixture's processor scales pixels to [0, 1], then to [-1, 1].
+NORMALIZE = {"do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
+             "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True}
+
 TEXT_CONFIG = {
     "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
     "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "tie_word_embeddings": False,
@@ -89,6 +93,15 @@ def make_tiny_vision_model(path: Path, *, family: str = "llava", seed: int = 0, 
     return path
 
 
+def _random_model(module, config: dict, text: dict, vision: dict, seed: int):
+    """The family's mlx-vlm Model on these configurations, its weights random from `seed`."""
+    model_config = module.ModelConfig.from_dict(dict(config))
+    model_config.text_config = module.TextConfig.from_dict(text)
+    model_config.vision_config = module.VisionConfig.from_dict(vision)
+    mx.random.seed(seed)
+    return module.Model(model_config)
+
+
 def _llava(path: Path, tok, family: str, seed: int):
     from mlx_vlm.models import llava
 
@@ -99,12 +112,7 @@ def _llava(path: Path, tok, family: str, seed: int):
         "size": {"shortest_edge": IMAGE_SIZE},
         "do_center_crop": True,
         "crop_size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "do_convert_rgb": True,
+        **NORMALIZE,
         "resample": 3,
     }))
     (path / "processor_config.json").write_text(json.dumps({
@@ -126,11 +134,7 @@ def _llava(path: Path, tok, family: str, seed: int):
         "vocab_size": tok.get_vocab_size(), "eos_token_id": tok.token_to_id("<|im_end|>"),
         "text_config": text, "vision_config": vision,
     }
-    model_config = llava.ModelConfig.from_dict(config)
-    model_config.text_config = llava.TextConfig.from_dict(text)
-    model_config.vision_config = llava.VisionConfig.from_dict(vision)
-    mx.random.seed(seed)
-    model = llava.Model(model_config)
+    model = _random_model(llava, config, text, vision, seed)
     # A strong projector makes the image decide the answer.
     projector = model.multi_modal_projector.linear_2
     projector.weight = projector.weight * 8
@@ -154,8 +158,7 @@ def _qwen_vl(path: Path, tok, family: str, seed: int):
         "patch_size": patch,
         "temporal_patch_size": 2,
         "merge_size": 2,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
+        **NORMALIZE,
     }))
     vision = {"model_type": family, "depth": 2, "num_heads": 2, "patch_size": patch, "spatial_patch_size": patch,
               "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}
@@ -181,11 +184,7 @@ def _qwen_vl(path: Path, tok, family: str, seed: int):
                    "vocab_size": text["vocab_size"]}
     else:
         config |= {**text}
-    model_config = module.ModelConfig.from_dict(dict(config))
-    model_config.text_config = module.TextConfig.from_dict(config.get("text_config", config))
-    model_config.vision_config = module.VisionConfig.from_dict(vision)
-    mx.random.seed(seed)
-    model = module.Model(model_config)
+    model = _random_model(module, config, config.get("text_config", config), vision, seed)
     merger = model.vision_tower.merger
     last = merger.linear_fc2 if family == "qwen3_vl" else merger.mlp[-1]
     last.weight = last.weight * 8
@@ -207,28 +206,20 @@ def _idefics3(path: Path, tok, family: str, seed: int):
         "size": {"longest_edge": 112},
         "max_image_size": {"longest_edge": 112},
         "do_image_splitting": False,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "do_convert_rgb": True,
+        **NORMALIZE,
         "do_pad": True,
     }))
     (path / "processor_config.json").write_text(json.dumps({"processor_class": processor, "image_seq_len": 16}))
     text = {"model_type": "llama", **TEXT_CONFIG, "vocab_size": tok.get_vocab_size()}
-    vision = {"model_type": "idefics3" if family == "idefics3" else "smolvlm_vision", "hidden_size": 32, "num_attention_heads": 2, "patch_size": PATCH_SIZE,
-              "num_hidden_layers": 2, "intermediate_size": 64, "image_size": 112}
+    vision = {"model_type": "idefics3" if family == "idefics3" else "smolvlm_vision", "hidden_size": 32,
+              "num_attention_heads": 2, "patch_size": PATCH_SIZE, "num_hidden_layers": 2, "intermediate_size": 64,
+              "image_size": 112}
     config = {
         "model_type": family, "image_token_id": tok.token_to_id("<image>"), "scale_factor": 2,
         "vocab_size": tok.get_vocab_size(), "eos_token_id": tok.token_to_id("<|im_end|>"),
         "text_config": text, "vision_config": vision,
     }
-    model_config = module.ModelConfig.from_dict(config)
-    model_config.text_config = module.TextConfig.from_dict(text)
-    model_config.vision_config = module.VisionConfig.from_dict(vision)
-    mx.random.seed(seed)
-    model = module.Model(model_config)
+    model = _random_model(module, config, text, vision, seed)
     connector = model.connector.modality_projection.proj
     connector.weight = connector.weight * 8
     return config, model
@@ -243,12 +234,7 @@ def _gemma3(path: Path, tok, family: str, seed: int):
         "processor_class": "Gemma3Processor",
         "do_resize": True,
         "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "do_convert_rgb": True,
+        **NORMALIZE,
         "do_pan_and_scan": False,
     }))
     (path / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma3Processor", "image_seq_length": 4}))
@@ -265,11 +251,7 @@ def _gemma3(path: Path, tok, family: str, seed: int):
         "pad_token_id": tok.token_to_id("<|endoftext|>"), "vocab_size": tok.get_vocab_size(),
         "eos_token_id": tok.token_to_id("<|im_end|>"), "text_config": text, "vision_config": vision,
     }
-    model_config = gemma3.ModelConfig.from_dict(config)
-    model_config.text_config = gemma3.TextConfig.from_dict(text)
-    model_config.vision_config = gemma3.VisionConfig.from_dict(vision)
-    mx.random.seed(seed)
-    model = gemma3.Model(model_config)
+    model = _random_model(gemma3, config, text, vision, seed)
     # mlx-vlm starts the projection at all ones (a checkpoint sets it), which
     # would give every image the same features.
     projector = model.multi_modal_projector
