@@ -51,7 +51,6 @@ class Joining:
     stop_sequences: StopSequences
 
 
-
 class Engine:
     def __init__(
         self,

@@ -1,19 +1,20 @@
 """Vision-language models (mlx-vlm) in the continuous batch. Main thread only.
 
-A request with images is prefilled here: the vision tower encodes its images,
-their features replace the image placeholder tokens' embeddings, and the
-language model reads the whole prompt into a fresh (or prefix-cached) KV
-cache. All but the prompt's last token, that is: the request then joins
-mlx-lm's BatchGenerator with that cache and its last token, like any text
-request that hit the prefix cache, and decodes beside text requests with its
-own sampler and stop conditions. Text-only requests never touch the vision
-tower: the batch runs the language model alone.
+A request with images is prefilled here, in pieces the engine interleaves
+with decode steps: first the vision tower encodes its images (or the feature
+cache has them) and their features replace the image placeholder tokens'
+embeddings; then the language model reads the prompt into a fresh (or
+prefix-cached) KV cache a chunk at a time. All but the prompt's last token,
+that is: the request then joins mlx-lm's BatchGenerator with that cache and
+its last token, like any text request that hit the prefix cache, and decodes
+beside text requests with its own sampler and stop conditions. Text-only
+requests never touch the vision tower: the batch runs the language model alone.
 
-Families with multimodal rotary positions (mRoPE: Qwen2-VL, Qwen2.5-VL) give
-an image's tokens positions on a grid, so a prompt with images runs its
-positions behind its length by a delta of its own. mlx-vlm keeps that delta on
-the model object, which every request in a batch shares; here each request's
-cache carries it (RopeKVCache) and the batch applies it row by row.
+Families with multimodal rotary positions (mRoPE: Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL) give an image's tokens positions on a grid, so a prompt with images
+runs its positions behind its length by a delta of its own. mlx-vlm keeps that
+delta on the model object, which every request in a batch shares; here each
+request's cache carries it (RopeKVCache) and the batch applies it row by row.
 """
 
 from __future__ import annotations
