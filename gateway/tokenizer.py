@@ -31,6 +31,7 @@ from tokenizers.decoders import DecodeStream  # noqa: E402
 from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, ProcessorMixin  # noqa: E402
 
 from gateway.parsing import detect_reasoning, detect_tool_family  # noqa: E402
+from gateway.pixtral import PixtralProcessor  # noqa: E402
 from protocol import Tensor  # noqa: E402
 from protocol.codec import TENSOR_DTYPES  # noqa: E402
 
@@ -71,16 +72,20 @@ def files_digest(files: dict[str, bytes]) -> str:
     return h.hexdigest()
 
 
-def load_processor(directory: str, tokenizer: Any) -> ProcessorMixin:
+def load_processor(directory: str, tokenizer: Any) -> ProcessorMixin | PixtralProcessor:
     """The model's processor, from its files in `directory`. One whose video
     half needs PyTorch (Qwen2-VL's, SmolVLM's) is built from its image
     processor, the tokenizer and its own settings alone: mlxd sends it images
-    only."""
+    only. Pixtral's needs PyTorch throughout; gateway.pixtral stands in."""
     try:
         return AutoProcessor.from_pretrained(directory)
     except ImportError:
-        processor_class = getattr(transformers, _settings(directory, "preprocessor_config.json")
-                                  .get("processor_class", ""), None)
+        name = _settings(directory, "preprocessor_config.json").get("processor_class", "")
+        if name == "PixtralProcessor":  # all of it needs PyTorch: mlxd's own
+            return PixtralProcessor(AutoImageProcessor.from_pretrained(directory), tokenizer,
+                                    _settings(directory, "processor_config.json"),
+                                    _settings(directory, "chat_template.json").get("chat_template"))
+        processor_class = getattr(transformers, name, None)
         if processor_class is None:
             raise
     # The class checks each part's type against its video processor's, which

@@ -70,8 +70,10 @@ class VisionReference:
         processor_class = json.loads((path / "preprocessor_config.json").read_text())["processor_class"]
         try:
             self.processor = getattr(transformers, processor_class).from_pretrained(str(path))
-        except ImportError:  # its video half needs PyTorch (Qwen-VL's): mlx-vlm's own
+        except ImportError:  # it needs PyTorch (Qwen-VL's video half, Pixtral's): mlx-vlm's own
             self.processor = self._vlm_processor
+            if self.processor.chat_template is None:  # mlx-vlm's Mistral 3 processor does not read it
+                self.processor.chat_template = json.loads((path / "chat_template.json").read_text())["chat_template"]
         self.tokenizer = self.processor.tokenizer
         config = self.model.config
         self.image_token_id = getattr(config, "image_token_index", None) or config.image_token_id

@@ -8,7 +8,8 @@ LLaVA: a CLIP vision tower and a llama; every image is IMAGE_SIZE square and
 takes the same tokens. Idefics3: a SigLIP-style tower whose patches are
 shuffled into fewer tokens, and a llama (SmolVLM: the same under its own
 name and processor). Gemma 3: a SigLIP tower pooled to a
-fixed number of tokens, and Gemma's language model with a sliding-window layer. Qwen2-VL, Qwen2.5-VL and Qwen3-VL: vision towers of
+fixed number of tokens, and Gemma's language model with a sliding-window layer.
+Mistral 3: a Pixtral tower over images kept in their aspect, and a mistral. Qwen2-VL, Qwen2.5-VL and Qwen3-VL: vision towers of
 their own, an image's token count following its size (28- or 32-pixel cells),
 and a language model with multimodal rotary positions (mRoPE), whose prompts
 with images run their positions behind their length.
@@ -25,7 +26,7 @@ from tokenizers import AddedToken
 
 from tests.tiny_model import train_tokenizer
 
-FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3")
+FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3", "mistral3")
 IMAGE_SIZE = 28
 PATCH_SIZE = 14
 
@@ -33,7 +34,8 @@ PATCH_SIZE = 14
 # processor expands the image token to the image's tokens.
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 IMAGE_TEXT = {"llava": "<image>", "qwen2_vl": QWEN_IMAGE, "qwen2_5_vl": QWEN_IMAGE, "qwen3_vl": QWEN_IMAGE,
-              "idefics3": "<image>", "smolvlm": "<image>", "gemma3": "<start_of_image>"}
+              "idefics3": "<image>", "smolvlm": "<image>", "gemma3": "<start_of_image>",
+              "mistral3": "[IMG]"}
 IMAGE_TOKENS = {
     "llava": ["<image>"],
     "qwen2_vl": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
@@ -41,6 +43,7 @@ IMAGE_TOKENS = {
 IMAGE_TOKENS["qwen2_5_vl"] = IMAGE_TOKENS["qwen3_vl"] = IMAGE_TOKENS["qwen2_vl"]
 IMAGE_TOKENS["idefics3"] = IMAGE_TOKENS["smolvlm"] = ["<fake_token_around_image>", "<image>", "<global-img>"]
 IMAGE_TOKENS["gemma3"] = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+IMAGE_TOKENS["mistral3"] = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 
 
 def chat_template(image_text: str) -> str:
@@ -83,7 +86,8 @@ def make_tiny_vision_model(path: Path, *, family: str = "llava", seed: int = 0, 
                                      "eoi_token": "<end_of_image>"}} if family == "gemma3" else {}),
     }))
     (path / "chat_template.json").write_text(json.dumps({"chat_template": chat_template(IMAGE_TEXT[family])}))
-    build = {"llava": _llava, "idefics3": _idefics3, "smolvlm": _idefics3, "gemma3": _gemma3}.get(family, _qwen_vl)
+    build = {"llava": _llava, "idefics3": _idefics3, "smolvlm": _idefics3, "gemma3": _gemma3,
+             "mistral3": _mistral3}.get(family, _qwen_vl)
     config, model = build(path, tok, family, seed)
     (path / "config.json").write_text(json.dumps(config))
     # Sharpened logits keep greedy choices far apart (see make_tiny_model).
@@ -256,4 +260,38 @@ def _gemma3(path: Path, tok, family: str, seed: int):
     # would give every image the same features.
     projector = model.multi_modal_projector
     projector.mm_input_projection_weight = mx.random.normal(projector.mm_input_projection_weight.shape) * 8
+    return config, model
+
+
+def _mistral3(path: Path, tok, family: str, seed: int):
+    from mlx_vlm.models import mistral3
+
+    # Pixtral's processor keeps an image's aspect within a longest edge of 112
+    # pixels, in 28-pixel cells (14-pixel patches merged 2 x 2): a row of image
+    # tokens ends with [IMG_BREAK], the image with [IMG_END].
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "PixtralImageProcessor",
+        "processor_class": "PixtralProcessor",
+        "patch_size": {"height": PATCH_SIZE, "width": PATCH_SIZE},
+        "size": {"longest_edge": 112},
+        "do_resize": True,
+        **NORMALIZE,
+    }))
+    (path / "processor_config.json").write_text(json.dumps({
+        "processor_class": "PixtralProcessor", "patch_size": PATCH_SIZE, "spatial_merge_size": 2,
+        "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]",
+    }))
+    text = {"model_type": "mistral", **TEXT_CONFIG, "head_dim": 16, "rope_theta": 10000.0,
+            "vocab_size": tok.get_vocab_size()}
+    vision = {"model_type": "pixtral", "num_hidden_layers": 2, "hidden_size": 32, "head_dim": 16,
+              "intermediate_size": 64, "num_attention_heads": 2, "image_size": 112, "patch_size": PATCH_SIZE,
+              "num_channels": 3}
+    config = {
+        "model_type": "mistral3", "image_token_index": tok.token_to_id("[IMG]"), "spatial_merge_size": 2,
+        "vision_feature_layer": -1, "multimodal_projector_bias": False, "vocab_size": tok.get_vocab_size(),
+        "eos_token_id": tok.token_to_id("<|im_end|>"), "text_config": text, "vision_config": vision,
+    }
+    model = _random_model(mistral3, config, text, vision, seed)
+    projector = model.multi_modal_projector.linear_2
+    projector.weight = projector.weight * 8
     return config, model

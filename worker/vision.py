@@ -39,7 +39,7 @@ PROCESSOR_FILE_NAMES = {"preprocessor_config.json", "processor_config.json"}
 # model in the tests whose answers through HTTP equal mlx-vlm's. Others are
 # refused at load: a family's position scheme or processor untested here
 # could answer wrongly rather than fail.
-VISION_FAMILIES = {"llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3"}
+VISION_FAMILIES = {"llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3", "mistral3"}
 MROPE_FAMILIES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 
 

@@ -93,5 +93,5 @@ def test_a_request_aborted_while_its_image_prefills_is_gone(vision_model, refere
 def test_an_untested_family_is_refused_at_load_naming_the_served_ones(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "paligemma", "vision_config": {}}')
     with pytest.raises(UnsupportedVisionModel, match="'paligemma' vision model; mlxd serves the vision families "
-                                                     "gemma3, idefics3, llava, qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm"):
+                                                     "gemma3, idefics3, llava, mistral3, qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm"):
         load_vision_model(tmp_path)
