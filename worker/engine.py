@@ -84,6 +84,7 @@ class Engine:
         # Requests with images whose prompt is prefilled a piece per step
         # (worker.vision), oldest first; each joins the batch when done.
         self._prefilling: deque[tuple[Joining, list[int], Generator[None, None, list]]] = deque()
+        self._tower_ran = False  # since the last step: that step runs no prefill piece besides
         # Read by the heartbeat thread: a plain counter, never an iteration
         # over a dict the main thread is changing.
         self.waiting = 0
@@ -180,6 +181,7 @@ class Engine:
                        for t, b in zip(request.tensors, buffers)}
             pieces = vision.prefill(prompt, media_end, images, tensors, cache, reused)
             admitted.cache_key = key
+            self._tower_ran = True
             try:
                 next(pieces)  # the vision tower, where inputs this model cannot take show
             except (ValueError, TypeError, IndexError) as e:
@@ -260,9 +262,11 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One continuous-batching step: a prefill chunk and/or one decode token
-        each, and a piece of the oldest image prefill."""
-        if self._prefilling:
+        each, and a piece of the oldest image prefill, unless a vision tower
+        ran since the last step (one piece of image work between two steps)."""
+        if self._prefilling and not self._tower_ran:
             self._prefill_piece()
+        self._tower_ran = False
         prompt_responses, generation_responses = self._generator.next()
         self.steps += 1
         for r in prompt_responses:

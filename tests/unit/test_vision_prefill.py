@@ -80,7 +80,7 @@ def test_an_image_prefill_runs_in_pieces_between_decode_steps(vision_model, refe
 def test_a_request_aborted_while_its_image_prefills_is_gone(vision_model, reference):
     engine = engine_for(vision_model)
     add_image_request(engine, reference, random_image(1))
-    assert engine.step() == [] and engine.waiting == 1  # a piece of its prompt in
+    assert engine.step() == [] and engine.waiting == 1  # its tower ran; it is still prefilling
     engine.abort(["image"])
     assert (engine.has_work, engine.waiting, engine.running) == (False, 0, 0)
     engine.add(AddRequest("text", reference.tokenizer.encode("Once upon a time"), Sampling(max_tokens=3)))
