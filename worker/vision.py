@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Generator, Iterator, Sequence
 from itertools import chain
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -171,6 +172,16 @@ def images_key(buffers: Sequence[memoryview]) -> int:
     return -1 - int.from_bytes(h.digest()[:7], "little")
 
 
+class Embedded(NamedTuple):
+    """A prompt's input embeddings, with what the vision model worked out beside them."""
+
+    embeddings: mx.array | None
+    # Features that also enter the first layers (Qwen3-VL's "deepstack"): the
+    # prompt's image positions, and each layer's features of its image tokens.
+    deepstack: tuple[np.ndarray, list[mx.array]] | None
+    rope: tuple[mx.array, mx.array] | None  # mRoPE positions and delta, where the model computed them
+
+
 def deepstack_chunk(visual: np.ndarray, layers: list[mx.array], start: int, end: int) -> dict:
     """The deepstack arguments of prompt[start:end]: its image positions, and
     each layer's features of the image tokens among them."""
@@ -215,15 +226,15 @@ class VisionPrefill:
             cache, reused = self.language_model.make_cache(), 0
         arrays = {name: mx.array(a) for name, a in tensors.items()}
         pixel_values = arrays.pop("pixel_values", None)
-        embeddings = None  # when every image position is in the reused cache: text alone
-        deepstack: tuple[np.ndarray, list[mx.array]] | None = None
-        if self.image_token_id in prompt[reused:media_end]:
-            embeddings, deepstack = self._embeddings(media, images, pixel_values, arrays)
+        # None when every image position is in the reused cache: text alone.
+        embedded = self._embeddings(media, images, pixel_values, arrays) \
+            if self.image_token_id in prompt[reused:media_end] else Embedded(None, None, None)
+        embeddings, deepstack = embedded.embeddings, embedded.deepstack
         positions, rope_delta = None, 0
         if self.mrope:
-            positions, deltas = self.vlm.language_model.get_rope_index(
+            positions, deltas = embedded.rope or self.vlm.language_model.get_rope_index(
                 media, arrays.get("image_grid_thw"), arrays.get("video_grid_thw"))
-            rope_delta = int(deltas.reshape(-1)[0].item())
+            rope_delta = int(np.asarray(deltas).reshape(-1)[0])
             generated = text_positions(media_end + rope_delta, 1, len(prompt) - media_end)
             positions = mx.concatenate([positions, generated.astype(positions.dtype)], axis=-1)
         last = len(prompt) - 1
@@ -239,15 +250,14 @@ class VisionPrefill:
         return [RopeKVCache.of(c, rope_delta) for c in cache] if self.mrope else cache
 
     def _embeddings(self, media: mx.array, images: int, pixel_values: mx.array | None,
-                    arrays: dict[str, mx.array]) -> tuple[mx.array, tuple[np.ndarray, list[mx.array]] | None]:
+                    arrays: dict[str, mx.array]) -> Embedded:
         """The prompt's input embeddings: the vision tower's features at its
         image positions (from the feature cache when these images were seen),
-        the family's own text embeddings elsewhere. And for a family whose
-        image features also enter the first layers (Qwen3-VL's "deepstack"),
-        the prompt's image positions and those layers' features."""
+        the family's own text embeddings elsewhere."""
         visual = np.array(media[0]) == self.image_token_id
         positions = mx.array(np.flatnonzero(visual))
         cached = self.features.get(images) if self.features is not None else None
+        rope = None
         if cached is not None:
             rows, *layers = cached
             embeddings = self.vlm.get_input_embeddings(media, None, **arrays).inputs_embeds
@@ -257,12 +267,14 @@ class VisionPrefill:
             features = self.vlm.get_input_embeddings(media, pixel_values, mask=mx.ones_like(media), **arrays)
             embeddings = features.inputs_embeds
             layers = list(getattr(features, "deepstack_visual_embeds", None) or [])
+            if getattr(features, "rope_deltas", None) is not None:  # mRoPE positions, already worked out
+                rope = (features.position_ids, features.rope_deltas)
             if self.features is not None:
                 rows = embeddings[0, positions]
                 mx.eval(rows, layers)
                 self.features.put(images, [rows, *layers])
         mx.eval(embeddings)
-        return embeddings, (visual, layers) if layers else None
+        return Embedded(embeddings, (visual, layers) if layers else None, rope)
 
     def _chunks(self, start: int, end: int) -> Iterator[tuple[int, int]]:
         """[start, end) in pieces of at most step_size."""
