@@ -93,9 +93,9 @@ def load_processor(directory: str, tokenizer: Any) -> ProcessorMixin | PixtralPr
     images_only = type(processor_class.__name__, (processor_class,),
                        {"check_argument_for_proper_class": lambda self, name, argument: type(argument)})
     settings = {k: v for k, v in _settings(directory, "processor_config.json").items() if k != "processor_class"}
+    settings.setdefault("chat_template", _settings(directory, "chat_template.json").get("chat_template"))
     return images_only(image_processor=AutoImageProcessor.from_pretrained(directory), tokenizer=tokenizer,
-                       video_processor=None, **settings,
-                       chat_template=_settings(directory, "chat_template.json").get("chat_template"))
+                       video_processor=None, **settings)
 
 
 def _settings(directory: str, name: str) -> dict:

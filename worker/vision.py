@@ -227,7 +227,8 @@ class VisionPrefill:
         arrays = {name: mx.array(a) for name, a in tensors.items()}
         pixel_values = arrays.pop("pixel_values", None)
         # None when every image position is in the reused cache: text alone.
-        embedded = self._embeddings(media, images, pixel_values, arrays) \
+        embedded = self._embeddings(media, np.array(prompt[:media_end]) == self.image_token_id, images,
+                                    pixel_values, arrays) \
             if self.image_token_id in prompt[reused:media_end] else Embedded(None, None, None)
         embeddings, deepstack = embedded.embeddings, embedded.deepstack
         positions, rope_delta = None, 0
@@ -249,12 +250,11 @@ class VisionPrefill:
             mx.eval([c.state for c in cache])
         return [RopeKVCache.of(c, rope_delta) for c in cache] if self.mrope else cache
 
-    def _embeddings(self, media: mx.array, images: int, pixel_values: mx.array | None,
+    def _embeddings(self, media: mx.array, visual: np.ndarray, images: int, pixel_values: mx.array | None,
                     arrays: dict[str, mx.array]) -> Embedded:
         """The prompt's input embeddings: the vision tower's features at its
-        image positions (from the feature cache when these images were seen),
-        the family's own text embeddings elsewhere."""
-        visual = np.array(media[0]) == self.image_token_id
+        image positions (`visual`; from the feature cache when these images
+        were seen), the family's own text embeddings elsewhere."""
         positions = mx.array(np.flatnonzero(visual))
         cached = self.features.get(images) if self.features is not None else None
         rope = None
