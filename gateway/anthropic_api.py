@@ -49,14 +49,12 @@ from gateway.plan import (
     template_tool_call,
     tool_definitions,
 )
-from gateway.responses import MsgspecResponse
+from gateway.responses import MsgspecResponse, sse_event
 from gateway.serving import Choice, Serving
-
-_json = msgspec.json.Encoder()
 
 
 def event(name: str, payload: dict) -> bytes:
-    return b"event: " + name.encode() + b"\ndata: " + _json.encode(payload) + b"\n\n"
+    return sse_event(payload, name)
 
 
 def stop_reason(finish_reason: str | None, stop_string: str | None) -> str:

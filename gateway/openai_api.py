@@ -61,15 +61,10 @@ from gateway.plan import (
     template_tool_call,
     tool_definitions,
 )
-from gateway.responses import MsgspecResponse
+from gateway.responses import MsgspecResponse, sse_event
 from gateway.serving import Choice, Serving
 
-_json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
-
-
-def sse(payload) -> bytes:
-    return b"data: " + _json.encode(payload) + b"\n\n"
 
 
 def sampling_params(body: GenerationRequest, logprobs: int | None) -> SamplingParams:
@@ -208,21 +203,21 @@ class _Output(abc.ABC):
         if delta.index not in self._opened:
             self._opened.add(delta.index)
             if (first := self.first_chunk(delta.index)) is not None:
-                out.append(sse(first))
+                out.append(sse_event(first))
         out += self.content_chunks(delta)
         if delta.finish_reason is not None:
-            out.append(sse(self.chunk(delta.index, None, delta.finish_reason, [])))
+            out.append(sse_event(self.chunk(delta.index, None, delta.finish_reason, [])))
         return out
 
     def content_chunks(self, delta: Delta) -> list[bytes]:
         if delta.text or delta.logprobs:
-            return [sse(self.chunk(delta.index, delta.text, None, delta.logprobs))]
+            return [sse_event(self.chunk(delta.index, delta.text, None, delta.logprobs))]
         return []
 
     def ending(self, group: RequestGroup, error: APIError | None) -> list[bytes]:
-        out = [sse(error_body(error.message, error.type, code=error.code))] if error is not None else []
+        out = [sse_event(error_body(error.message, error.type, code=error.code))] if error is not None else []
         if self.include_usage:
-            out.append(sse(self.usage_chunk(_usage(group))))
+            out.append(sse_event(self.usage_chunk(_usage(group))))
         return out + [DONE]
 
     def body(self, choices: list[Choice], group: RequestGroup) -> msgspec.Struct:
@@ -251,10 +246,10 @@ class ChatOutput(_Output):
 
     def content_chunks(self, delta: Delta) -> list[bytes]:
         """Reasoning, text, then tool calls."""
-        out = [sse(self._reasoning_chunk(delta.index, delta.reasoning))] if delta.reasoning else []
+        out = [sse_event(self._reasoning_chunk(delta.index, delta.reasoning))] if delta.reasoning else []
         out += super().content_chunks(delta)
         if delta.tool_calls:
-            out.append(sse(self._tool_calls_chunk(delta.index, delta.tool_calls)))
+            out.append(sse_event(self._tool_calls_chunk(delta.index, delta.tool_calls)))
         return out
 
     def _reasoning_chunk(self, index: int, reasoning: str) -> ChatCompletionChunk:

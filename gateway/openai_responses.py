@@ -62,10 +62,8 @@ from gateway.plan import (
     template_tool_call,
     tool_definitions,
 )
-from gateway.responses import MsgspecResponse
+from gateway.responses import MsgspecResponse, sse_event
 from gateway.serving import Choice, Serving
-
-_json = msgspec.json.Encoder()
 
 
 def _new_id(prefix: str) -> str:
@@ -313,7 +311,7 @@ class ResponseOutput:
     def _event(self, kind: str, **fields: Any) -> bytes:
         self._sequence += 1
         payload = {"type": kind, "sequence_number": self._sequence, **fields}
-        return b"event: " + kind.encode() + b"\ndata: " + _json.encode(payload) + b"\n\n"
+        return sse_event(payload, kind)
 
     def opening(self, group: RequestGroup) -> list[bytes]:
         response = msgspec.to_builtins(self._response("in_progress"))

@@ -11,6 +11,22 @@ from starlette.types import Receive, Scope, Send
 
 _encoder = msgspec.json.Encoder()
 
+# JSON lets these stand unescaped inside a string, but many line readers
+# (httpx's iter_lines, Python's str.splitlines) end a line at them, cutting an
+# event's data in two. Outside a string they cannot occur in encoded JSON.
+_LINE_BREAKS_IN_STRINGS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def sse_event(payload: Any, name: str | None = None) -> bytes:
+    """One server-sent event: an optional `event:` line and the payload as JSON
+    on one `data:` line, whatever text the payload carries."""
+    data = _encoder.encode(payload)
+    for raw, escaped in _LINE_BREAKS_IN_STRINGS:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    head = b"event: " + name.encode() + b"\n" if name else b""
+    return head + b"data: " + data + b"\n\n"
+
 
 class MsgspecResponse(JSONResponse):
     """Starlette's JSONResponse with msgspec's encoder (structs as they are,
