@@ -69,8 +69,23 @@ TEXT_CONFIG = {
 }
 
 
-def make_tiny_vision_model(path: Path, *, family: str = "llava", seed: int = 0, logit_scale: float = 8.0) -> Path:
-    """Write a loadable mlx-vlm directory of `family` at `path` and return it."""
+# Qwen2-VL-2B's dimensions (a 32-block tower 1280 wide, a 28-layer language
+# model), for benchmarks on a GPU, where a tiny tower would time only overheads.
+QWEN2_VL_2B = {
+    "vision": {"depth": 32, "embed_dim": 1280, "num_heads": 16, "mlp_ratio": 4, "hidden_size": 1536},
+    "text": {"hidden_size": 1536, "num_hidden_layers": 28, "intermediate_size": 8960, "num_attention_heads": 12,
+             "num_key_value_heads": 2, "max_position_embeddings": 32768,
+             "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}},
+    "processor": {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280},
+}
+
+
+def make_tiny_vision_model(path: Path, *, family: str = "llava", seed: int = 0, logit_scale: float = 8.0,
+                           qwen2_vl_2b: bool = False) -> Path:
+    """Write a loadable mlx-vlm directory of `family` at `path` and return it;
+    with `qwen2_vl_2b` (family qwen2_vl only), at Qwen2-VL-2B's size in bfloat16."""
+    if qwen2_vl_2b and family != "qwen2_vl":
+        raise ValueError("only the qwen2_vl family has a 2B size here")
     path.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in IMAGE_TOKENS[family]])
@@ -88,11 +103,13 @@ def make_tiny_vision_model(path: Path, *, family: str = "llava", seed: int = 0, 
     (path / "chat_template.json").write_text(json.dumps({"chat_template": chat_template(IMAGE_TEXT[family])}))
     build = {"llava": _llava, "idefics3": _idefics3, "smolvlm": _idefics3, "gemma3": _gemma3,
              "mistral3": _mistral3}.get(family, _qwen_vl)
-    config, model = build(path, tok, family, seed)
+    config, model = _qwen_vl(path, tok, family, seed, QWEN2_VL_2B) if qwen2_vl_2b else build(path, tok, family, seed)
     (path / "config.json").write_text(json.dumps(config))
     # Sharpened logits keep greedy choices far apart (see make_tiny_model).
     lm = model.language_model
     lm.lm_head.weight = lm.lm_head.weight * logit_scale
+    if qwen2_vl_2b:
+        model.set_dtype(mx.bfloat16)
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     return path
 
@@ -145,7 +162,7 @@ def _llava(path: Path, tok, family: str, seed: int):
     return config, model
 
 
-def _qwen_vl(path: Path, tok, family: str, seed: int):
+def _qwen_vl(path: Path, tok, family: str, seed: int, size: dict | None = None):
     import importlib
 
     module = importlib.import_module(f"mlx_vlm.models.{family}")
@@ -163,6 +180,7 @@ def _qwen_vl(path: Path, tok, family: str, seed: int):
         "temporal_patch_size": 2,
         "merge_size": 2,
         **NORMALIZE,
+        **(size["processor"] if size else {}),
     }))
     vision = {"model_type": family, "depth": 2, "num_heads": 2, "patch_size": patch, "spatial_patch_size": patch,
               "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}
@@ -174,10 +192,11 @@ def _qwen_vl(path: Path, tok, family: str, seed: int):
     else:  # learned position embeddings on an 8 x 8 grid; the first block's features also enter layer 0 (deepstack)
         vision |= {"hidden_size": 32, "intermediate_size": 64, "out_hidden_size": TEXT_CONFIG["hidden_size"],
                    "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}
+    vision |= size["vision"] if size else {}
     ids = {t: tok.token_to_id(t) for t in IMAGE_TOKENS[family]}
     # head_dim 16: 8 rotary frequencies, split over time, height and width.
     text = {**TEXT_CONFIG, "vocab_size": tok.get_vocab_size(), "rope_theta": 10000.0,
-            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}} | (size["text"] if size else {})
     config = {
         "model_type": family, "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],

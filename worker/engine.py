@@ -6,9 +6,11 @@ Runs on the worker's main thread only; every method may call into MLX.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
+from time import perf_counter
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +24,10 @@ from worker.sampling import make_sampler
 from worker.vision import VisionPrefill, images_key
 
 MAX_TOP_LOGPROBS = 20
+# Image work in a step that also decodes is held to this share of a decode
+# step's time, so running text streams slow to at most about 1.5 times their
+# pace while images are encoded.
+IMAGE_WORK_SHARE = 0.5
 
 
 class InvalidRequest(ValueError):
@@ -83,8 +89,8 @@ class Engine:
         self._by_uid: dict[int, Admitted] = {}
         # Requests with images whose prompt is prefilled a piece per step
         # (worker.vision), oldest first; each joins the batch when done.
-        self._prefilling: deque[tuple[Joining, list[int], Generator[None, None, list]]] = deque()
-        self._tower_ran = False  # since the last step: that step runs no prefill piece besides
+        self._prefilling: deque[tuple[Joining, list[int], Generator[None, float, list]]] = deque()
+        self._decode_seconds: deque[float] = deque(maxlen=16)  # the latest decode steps' times
         # Read by the heartbeat thread: a plain counter, never an iteration
         # over a dict the main thread is changing.
         self.waiting = 0
@@ -181,15 +187,11 @@ class Engine:
                        for t, b in zip(request.tensors, buffers)}
             pieces = vision.prefill(prompt, media_end, images, tensors, cache, reused)
             admitted.cache_key = key
-            self._tower_ran = True
             try:
-                next(pieces)  # the vision tower, where inputs this model cannot take show
+                next(pieces)  # builds the work: inputs this model cannot take show here
             except (ValueError, TypeError, IndexError) as e:
                 raise InvalidRequest(f"the vision model cannot take these inputs: {e}") from None
-            except StopIteration as finished:  # the reused cache held the whole prompt
-                self._join(joining, prompt[-1:], prompt[:-1], finished.value)
-            else:
-                self._prefilling.append((joining, prompt, pieces))
+            self._prefilling.append((joining, prompt, pieces))
         else:
             self._join(joining, prompt[reused:], prompt[:reused], vision.batch_cache(cache) if vision else cache)
         self._requests[request.request_id] = admitted
@@ -213,8 +215,11 @@ class Engine:
         """One piece of the first request with images still prefilling; once
         its prompt is in its cache, it joins the batch for its last token."""
         joining, prompt, pieces = self._prefilling[0]
+        # Nothing decoding: nobody waits on the piece, however long.
+        budget = IMAGE_WORK_SHARE * statistics.median(self._decode_seconds) \
+            if self._by_uid and self._decode_seconds else math.inf
         try:
-            next(pieces)
+            pieces.send(budget)
         except StopIteration as finished:
             self._prefilling.popleft()
             self._join(joining, prompt[-1:], prompt[:-1], finished.value)
@@ -262,12 +267,13 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One continuous-batching step: a prefill chunk and/or one decode token
-        each, and a piece of the oldest image prefill, unless a vision tower
-        ran since the last step (one piece of image work between two steps)."""
-        if self._prefilling and not self._tower_ran:
+        each, and a piece of the oldest image prefill."""
+        if self._prefilling:
             self._prefill_piece()
-        self._tower_ran = False
+        started = perf_counter()
         prompt_responses, generation_responses = self._generator.next()
+        if generation_responses and not prompt_responses:
+            self._decode_seconds.append(perf_counter() - started)
         self.steps += 1
         for r in prompt_responses:
             self._started(self._by_uid[r.uid])

@@ -1,9 +1,9 @@
 """Vision-language models (mlx-vlm) in the continuous batch. Main thread only.
 
 A request with images is prefilled here, in pieces the engine interleaves
-with decode steps: first the vision tower encodes its images (or the feature
-cache has them) and their features replace the image placeholder tokens'
-embeddings; then the language model reads the prompt into a fresh (or
+with decode steps: first the vision tower encodes its images, a few blocks
+per piece (worker.tower), or the feature cache has them; their features
+replace the image placeholder tokens' embeddings; then the language model reads the prompt into a fresh (or
 prefix-cached) KV cache a chunk at a time. All but the prompt's last token,
 that is: the request then joins mlx-lm's BatchGenerator with that cache and
 its last token, like any text request that hit the prefix cache, and decodes
@@ -31,6 +31,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+
+from worker.tower import evaluate_in_pieces, recording, tower_blocks
 
 # The processor's files travel to the gateway, which runs the processor.
 PROCESSOR_FILE_NAMES = {"preprocessor_config.json", "processor_config.json"}
@@ -173,13 +175,16 @@ def images_key(buffers: Sequence[memoryview]) -> int:
 
 
 class Embedded(NamedTuple):
-    """A prompt's input embeddings, with what the vision model worked out beside them."""
+    """A prompt's input embeddings, with what the vision model worked out beside
+    them; lazy: built, not computed."""
 
     embeddings: mx.array | None
     # Features that also enter the first layers (Qwen3-VL's "deepstack"): the
     # prompt's image positions, and each layer's features of its image tokens.
     deepstack: tuple[np.ndarray, list[mx.array]] | None
     rope: tuple[mx.array, mx.array] | None  # mRoPE positions and delta, where the model computed them
+    tower: list[list[mx.array]]  # the tower's blocks' outputs, in order; empty when the feature cache had the images
+    features: list[mx.array]  # what the feature cache is to keep of them once computed
 
 
 def deepstack_chunk(visual: np.ndarray, layers: list[mx.array], start: int, end: int) -> dict:
@@ -197,6 +202,7 @@ class VisionPrefill:
         self.vlm = vlm
         self.mrope = vlm.config.model_type in MROPE_FAMILIES
         self.language_model = LanguageModel(vlm, self.mrope)
+        self.blocks = tower_blocks(vlm)
         self.image_token_id = image_token_id
         self.step_size = step_size
         self.features = features
@@ -212,24 +218,26 @@ class VisionPrefill:
         return [RopeKVCache.of(c) for c in cache]
 
     def prefill(self, prompt: list[int], media_end: int, images: int, tensors: dict[str, np.ndarray],
-                cache: list | None, reused: int) -> Generator[None, None, list]:
+                cache: list | None, reused: int) -> Generator[None, float, list]:
         """The KV cache after prompt[:-1], continuing `cache` (which holds
-        prompt[:reused]) or a fresh one, in bounded pieces: each `next` runs
-        one (the vision tower first, then a chunk of the prompt), so that the
-        engine can decode the running requests between them; the cache is the
-        generator's return value. Image positions lie before `media_end`;
-        what follows is text the request generated (resumed); `images` is
-        the key of the images `tensors` hold."""
+        prompt[:reused]) or a fresh one, in bounded pieces so that the engine
+        can decode the running requests between them. The first `next` builds
+        the work (where inputs this model cannot take show) and runs none of
+        it; then each `send(budget)` runs one piece: vision tower blocks for
+        about `budget` seconds, then the tower's end, then a chunk of the
+        prompt at a time. The cache is the generator's return value. Image
+        positions lie before `media_end`; what follows is text the request
+        generated (resumed); `images` is the key of the images `tensors` hold."""
         ids = mx.array([prompt])
         media = ids[:, :media_end]
         if cache is None:
             cache, reused = self.language_model.make_cache(), 0
         arrays = {name: mx.array(a) for name, a in tensors.items()}
         pixel_values = arrays.pop("pixel_values", None)
-        # None when every image position is in the reused cache: text alone.
+        # Nothing when every image position is in the reused cache: text alone.
         embedded = self._embeddings(media, np.array(prompt[:media_end]) == self.image_token_id, images,
                                     pixel_values, arrays) \
-            if self.image_token_id in prompt[reused:media_end] else Embedded(None, None, None)
+            if self.image_token_id in prompt[reused:media_end] else Embedded(None, None, None, [], [])
         embeddings, deepstack = embedded.embeddings, embedded.deepstack
         positions, rope_delta = None, 0
         if self.mrope:
@@ -238,9 +246,21 @@ class VisionPrefill:
             rope_delta = int(np.asarray(deltas).reshape(-1)[0])
             generated = text_positions(media_end + rope_delta, 1, len(prompt) - media_end)
             positions = mx.concatenate([positions, generated.astype(positions.dtype)], axis=-1)
+        budget = yield
+        ran = bool(embedded.tower)
+        if ran:
+            # The last block's output may go unused (LLaVA takes the one before
+            # it): whatever of it is needed runs with the tower's end.
+            yield from evaluate_in_pieces(embedded.tower[:-1], budget)
+            yield
+            mx.eval(embeddings, embedded.features)
+            if self.features is not None:
+                self.features.put(images, embedded.features)
         last = len(prompt) - 1
         for start, end in chain(self._chunks(reused, min(media_end, last)), self._chunks(max(reused, media_end), last)):
-            yield
+            if ran:
+                yield
+            ran = True
             chunk = {} if embeddings is None or start >= media_end else {"inputs_embeds": embeddings[:, start:end]}
             if positions is not None:
                 chunk["position_ids"] = positions[..., start:end]
@@ -257,24 +277,21 @@ class VisionPrefill:
         were seen), the family's own text embeddings elsewhere."""
         positions = mx.array(np.flatnonzero(visual))
         cached = self.features.get(images) if self.features is not None else None
-        rope = None
         if cached is not None:
             rows, *layers = cached
             embeddings = self.vlm.get_input_embeddings(media, None, **arrays).inputs_embeds
             embeddings[0, positions] = rows
-        else:
+            return Embedded(embeddings, (visual, layers) if layers else None, None, [], [])
+        with recording(self.blocks) as tower:
             # The mask says every position is the prompt's (Gemma 3 needs one).
             features = self.vlm.get_input_embeddings(media, pixel_values, mask=mx.ones_like(media), **arrays)
-            embeddings = features.inputs_embeds
-            layers = list(getattr(features, "deepstack_visual_embeds", None) or [])
-            if getattr(features, "rope_deltas", None) is not None:  # mRoPE positions, already worked out
-                rope = (features.position_ids, features.rope_deltas)
-            if self.features is not None:
-                rows = embeddings[0, positions]
-                mx.eval(rows, layers)
-                self.features.put(images, [rows, *layers])
-        mx.eval(embeddings)
-        return Embedded(embeddings, (visual, layers) if layers else None, rope)
+        embeddings = features.inputs_embeds
+        layers = list(getattr(features, "deepstack_visual_embeds", None) or [])
+        # mRoPE positions, already worked out
+        rope = (features.position_ids, features.rope_deltas) if getattr(features, "rope_deltas", None) is not None \
+            else None
+        kept = [embeddings[0, positions], *layers] if self.features is not None else []
+        return Embedded(embeddings, (visual, layers) if layers else None, rope, tower, kept)
 
     def _chunks(self, start: int, end: int) -> Iterator[tuple[int, int]]:
         """[start, end) in pieces of at most step_size."""

@@ -1,10 +1,14 @@
-"""A request with images is prefilled a piece per engine step (the vision
-tower, then a chunk of its prompt), with the running requests decoding
-between the pieces; what it then writes equals mlx-vlm's in-process answer.
+"""A request with images is prefilled a piece per engine step (vision tower
+blocks as a time budget allows, then a chunk of its prompt), with the running
+requests decoding between the pieces; what it then writes equals mlx-vlm's
+in-process answer.
 The engine and mlx-vlm run here in-process, on the tiny fixtures."""
 
 from __future__ import annotations
 
+import math
+
+import mlx.core as mx
 import numpy as np
 import pytest
 from PIL import Image
@@ -39,13 +43,18 @@ def engine_for(path) -> Engine:
                   capacity=8, prefill_batch_size=4, prefill_step_size=CHUNK, vision=vision)
 
 
-def add_image_request(engine: Engine, reference: VisionReference, image: Image.Image) -> int:
-    """MESSAGES with `image` as request "image" (12 tokens); its prompt's length."""
+def processed(reference: VisionReference, image: Image.Image) -> tuple[list[int], dict[str, np.ndarray]]:
+    """MESSAGES with `image`: the prompt's tokens and the image's tensors."""
     text = reference.processor.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     out = reference.processor(text=[text], images=[image], return_tensors="np", add_special_tokens=False)
     arrays = {name: np.ascontiguousarray(value) for name, value in out.items()
               if name not in ("input_ids", "attention_mask", "mm_token_type_ids")}
-    prompt = out["input_ids"][0].tolist()
+    return out["input_ids"][0].tolist(), arrays
+
+
+def add_image_request(engine: Engine, reference: VisionReference, image: Image.Image) -> int:
+    """MESSAGES with `image` as request "image" (12 tokens); its prompt's length."""
+    prompt, arrays = processed(reference, image)
     engine.add(AddRequest("image", prompt, Sampling(max_tokens=12, ignore_eos=True),
                           [Tensor(name, list(a.shape), a.dtype.name) for name, a in arrays.items()]),
                [memoryview(a).cast("B") for a in arrays.values()])
@@ -77,10 +86,31 @@ def test_an_image_prefill_runs_in_pieces_between_decode_steps(vision_model, refe
     assert answer == reference.greedy(MESSAGES, [image], 12, ignore_eos=True).token_ids
 
 
+def test_a_spent_budget_runs_the_tower_a_block_per_piece_to_the_same_cache(vision_model, reference):
+    model, image_token_id = load_vision_model(vision_model)
+    vision = VisionPrefill(model, image_token_id, CHUNK, None)
+    prompt, arrays = processed(reference, random_image(2))
+    runs = {}
+    for budget in (0.0, math.inf):
+        pieces = vision.prefill(prompt, len(prompt), -1, arrays, None, 0)
+        next(pieces)
+        count = 0
+        while True:
+            count += 1
+            try:
+                pieces.send(budget)
+            except StopIteration as finished:
+                runs[budget] = count, finished.value[0].state[0]
+                break
+    # Each block but the last its own piece; the last one runs with the tower's end.
+    assert runs[0.0][0] - runs[math.inf][0] == len(vision.blocks) - 1
+    assert mx.array_equal(runs[0.0][1], runs[math.inf][1])
+
+
 def test_a_request_aborted_while_its_image_prefills_is_gone(vision_model, reference):
     engine = engine_for(vision_model)
     add_image_request(engine, reference, random_image(1))
-    assert engine.step() == [] and engine.waiting == 1  # its tower ran; it is still prefilling
+    assert engine.step() == [] and engine.waiting == 1  # its tower runs; it is still prefilling
     engine.abort(["image"])
     assert (engine.has_work, engine.waiting, engine.running) == (False, 0, 0)
     engine.add(AddRequest("text", reference.tokenizer.encode("Once upon a time"), Sampling(max_tokens=3)))
