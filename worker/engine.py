@@ -215,9 +215,9 @@ class Engine:
         """One piece of the first request with images still prefilling; once
         its prompt is in its cache, it joins the batch for its last token."""
         joining, prompt, pieces = self._prefilling[0]
-        # Nothing decoding: nobody waits on the piece, however long.
-        budget = IMAGE_WORK_SHARE * statistics.median(self._decode_seconds) \
-            if self._by_uid and self._decode_seconds else math.inf
+        # Nothing decoding: nobody waits on the piece, however long. Before the
+        # first decode step is timed, the least image work a piece can hold.
+        budget = IMAGE_WORK_SHARE * statistics.median(self._decode_seconds or [0.0]) if self._by_uid else math.inf
         try:
             pieces.send(budget)
         except StopIteration as finished:

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections import OrderedDict
-from collections.abc import Generator, Iterator, Sequence
-from itertools import chain
+from collections.abc import Generator, Sequence
 from pathlib import Path
+from time import perf_counter
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -44,6 +45,8 @@ PROCESSOR_FILE_NAMES = {"preprocessor_config.json", "processor_config.json"}
 # could answer wrongly rather than fail.
 VISION_FAMILIES = {"llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3", "mistral3"}
 MROPE_FAMILIES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
+# The fewest prompt tokens a chunk holds however small its time budget.
+MIN_CHUNK = 32
 
 
 class UnsupportedVisionModel(ValueError):
@@ -223,9 +226,9 @@ class VisionPrefill:
         prompt[:reused]) or a fresh one, in bounded pieces so that the engine
         can decode the running requests between them. The first `next` builds
         the work (where inputs this model cannot take show) and runs none of
-        it; then each `send(budget)` runs one piece: vision tower blocks for
-        about `budget` seconds, then the tower's end, then a chunk of the
-        prompt at a time. The cache is the generator's return value. Image
+        it; then each `send(budget)` runs one piece of about `budget` seconds:
+        vision tower blocks, then the tower's end, then prompt chunks, each
+        sized at the pace of the one before. The cache is the generator's return value. Image
         positions lie before `media_end`; what follows is text the request
         generated (resumed); `images` is the key of the images `tensors` hold."""
         ids = mx.array([prompt])
@@ -256,18 +259,23 @@ class VisionPrefill:
             mx.eval(embeddings, embedded.features)
             if self.features is not None:
                 self.features.put(images, embedded.features)
-        last = len(prompt) - 1
-        for start, end in chain(self._chunks(reused, min(media_end, last)), self._chunks(max(reused, media_end), last)):
-            if ran:
-                yield
-            ran = True
-            chunk = {} if embeddings is None or start >= media_end else {"inputs_embeds": embeddings[:, start:end]}
-            if positions is not None:
-                chunk["position_ids"] = positions[..., start:end]
-            if deepstack is not None and start < media_end:
-                chunk |= deepstack_chunk(*deepstack, start, end)
-            self.language_model(ids[:, start:end], cache=cache, **chunk)
-            mx.eval([c.state for c in cache])
+        last, pace = len(prompt) - 1, None  # pace: seconds a token took in the latest chunk
+        for start, end in ((reused, min(media_end, last)), (max(reused, media_end), last)):
+            while start < end:
+                if ran:
+                    budget = yield
+                ran = True
+                stop = start + self._chunk_size(budget, pace, end - start)
+                began = perf_counter()
+                chunk = {} if embeddings is None or start >= media_end else {"inputs_embeds": embeddings[:, start:stop]}
+                if positions is not None:
+                    chunk["position_ids"] = positions[..., start:stop]
+                if deepstack is not None and start < media_end:
+                    chunk |= deepstack_chunk(*deepstack, start, stop)
+                self.language_model(ids[:, start:stop], cache=cache, **chunk)
+                mx.eval([c.state for c in cache])
+                pace = (perf_counter() - began) / (stop - start)
+                start = stop
         return [RopeKVCache.of(c, rope_delta) for c in cache] if self.mrope else cache
 
     def _embeddings(self, media: mx.array, visual: np.ndarray, images: int, pixel_values: mx.array | None,
@@ -293,7 +301,11 @@ class VisionPrefill:
         kept = [embeddings[0, positions], *layers] if self.features is not None else []
         return Embedded(embeddings, (visual, layers) if layers else None, rope, tower, kept)
 
-    def _chunks(self, start: int, end: int) -> Iterator[tuple[int, int]]:
-        """[start, end) in pieces of at most step_size."""
-        for first in range(start, end, self.step_size):
-            yield first, min(first + self.step_size, end)
+    def _chunk_size(self, budget: float, pace: float | None, left: int) -> int:
+        """Tokens in the next prompt chunk: no more than `budget` seconds take
+        at the latest chunk's pace (MIN_CHUNK until that is known), step_size
+        at most, and never fewer than MIN_CHUNK, which keeps chunks efficient."""
+        size = self.step_size
+        if budget != math.inf:
+            size = min(size, max(MIN_CHUNK, MIN_CHUNK if pace is None else int(budget / pace)))
+        return min(size, left)
