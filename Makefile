@@ -80,6 +80,7 @@ bench: install-test model
 	$(PY) -m tests.bench.grammar_overhead
 	$(PY) -m tests.bench.gateway_memory
 	$(PY) -m tests.bench.vision_mix
+	$(PY) -m tests.bench.vision_steps
 	$(PY) -m tests.bench.detokenize
 	$(PY) -m tests.bench.replicas
 	$(PY) -m tests.bench.pool

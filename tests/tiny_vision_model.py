@@ -69,23 +69,35 @@ TEXT_CONFIG = {
 }
 
 
-# Qwen2-VL-2B's dimensions (a 32-block tower 1280 wide, a 28-layer language
-# model), for benchmarks on a GPU, where a tiny tower would time only overheads.
-QWEN2_VL_2B = {
-    "vision": {"depth": 32, "embed_dim": 1280, "num_heads": 16, "mlp_ratio": 4, "hidden_size": 1536},
-    "text": {"hidden_size": 1536, "num_hidden_layers": 28, "intermediate_size": 8960, "num_attention_heads": 12,
-             "num_key_value_heads": 2, "max_position_embeddings": 32768,
-             "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}},
-    "processor": {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280},
+# Larger Qwen2-VL models, random too, for benchmarks where a tiny tower would
+# time only overheads: "small" (a 16-block tower 512 wide, for a CPU) and
+# "2b" (Qwen2-VL-2B's dimensions, a 32-block tower 1280 wide and a 28-layer
+# language model, for a GPU).
+QWEN2_VL_SIZES = {
+    "small": {
+        "vision": {"depth": 16, "embed_dim": 512, "num_heads": 8, "mlp_ratio": 4, "hidden_size": 512},
+        "text": {"hidden_size": 512, "num_hidden_layers": 8, "intermediate_size": 1536, "num_attention_heads": 8,
+                 "num_key_value_heads": 2, "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]}},
+        "processor": {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280},
+        "dtype": mx.float32,
+    },
+    "2b": {
+        "vision": {"depth": 32, "embed_dim": 1280, "num_heads": 16, "mlp_ratio": 4, "hidden_size": 1536},
+        "text": {"hidden_size": 1536, "num_hidden_layers": 28, "intermediate_size": 8960, "num_attention_heads": 12,
+                 "num_key_value_heads": 2, "max_position_embeddings": 32768,
+                 "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}},
+        "processor": {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280},
+        "dtype": mx.bfloat16,
+    },
 }
 
 
 def make_tiny_vision_model(path: Path, *, family: str = "llava", seed: int = 0, logit_scale: float = 8.0,
-                           qwen2_vl_2b: bool = False) -> Path:
+                           qwen2_vl_size: str | None = None) -> Path:
     """Write a loadable mlx-vlm directory of `family` at `path` and return it;
-    with `qwen2_vl_2b` (family qwen2_vl only), at Qwen2-VL-2B's size in bfloat16."""
-    if qwen2_vl_2b and family != "qwen2_vl":
-        raise ValueError("only the qwen2_vl family has a 2B size here")
+    with `qwen2_vl_size` (family qwen2_vl only), one of QWEN2_VL_SIZES instead."""
+    if qwen2_vl_size and family != "qwen2_vl":
+        raise ValueError("only the qwen2_vl family comes in other sizes here")
     path.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in IMAGE_TOKENS[family]])
@@ -103,13 +115,14 @@ def make_tiny_vision_model(path: Path, *, family: str = "llava", seed: int = 0, 
     (path / "chat_template.json").write_text(json.dumps({"chat_template": chat_template(IMAGE_TEXT[family])}))
     build = {"llava": _llava, "idefics3": _idefics3, "smolvlm": _idefics3, "gemma3": _gemma3,
              "mistral3": _mistral3}.get(family, _qwen_vl)
-    config, model = _qwen_vl(path, tok, family, seed, QWEN2_VL_2B) if qwen2_vl_2b else build(path, tok, family, seed)
+    size = QWEN2_VL_SIZES[qwen2_vl_size] if qwen2_vl_size else None
+    config, model = _qwen_vl(path, tok, family, seed, size) if size else build(path, tok, family, seed)
     (path / "config.json").write_text(json.dumps(config))
     # Sharpened logits keep greedy choices far apart (see make_tiny_model).
     lm = model.language_model
     lm.lm_head.weight = lm.lm_head.weight * logit_scale
-    if qwen2_vl_2b:
-        model.set_dtype(mx.bfloat16)
+    if size:
+        model.set_dtype(size["dtype"])
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     return path
 

@@ -71,9 +71,11 @@ class Engine:
         grammars: Grammars | None = None,
         prefix_cache: PrefixCache | None = None,
         vision: VisionPrefill | None = None,
+        image_work_share: float = IMAGE_WORK_SHARE,
     ) -> None:
         self.grammars = grammars
         self.vision = vision
+        self.image_work_share = image_work_share
         self.prefix_cache = prefix_cache
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
@@ -90,7 +92,7 @@ class Engine:
         # Requests with images whose prompt is prefilled a piece per step
         # (worker.vision), oldest first; each joins the batch when done.
         self._prefilling: deque[tuple[Joining, list[int], Generator[None, float, list]]] = deque()
-        self._decode_seconds: deque[float] = deque(maxlen=16)  # the latest decode steps' times
+        self._decode_seconds: deque[float] = deque(maxlen=16)  # the latest plain decode steps' times
         # Read by the heartbeat thread: a plain counter, never an iteration
         # over a dict the main thread is changing.
         self.waiting = 0
@@ -211,18 +213,27 @@ class Engine:
         joining.admitted.uid = uid
         self._by_uid[uid] = joining.admitted
 
-    def _prefill_piece(self) -> None:
-        """One piece of the first request with images still prefilling; once
-        its prompt is in its cache, it joins the batch for its last token."""
-        joining, prompt, pieces = self._prefilling[0]
-        # Nothing decoding: nobody waits on the piece, however long. Before the
-        # first decode step is timed, the least image work a piece can hold.
-        budget = IMAGE_WORK_SHARE * statistics.median(self._decode_seconds or [0.0]) if self._by_uid else math.inf
-        try:
-            pieces.send(budget)
-        except StopIteration as finished:
-            self._prefilling.popleft()
-            self._join(joining, prompt[-1:], prompt[:-1], finished.value)
+    def _prefill_pieces(self) -> None:
+        """This step's image work: pieces of the requests with images still
+        prefilling, oldest first, until the step's budget is spent (one piece
+        when nothing decodes); each request joins the batch for its last
+        token once its prompt is in its cache."""
+        if not self._by_uid:  # nothing decoding: nobody waits on the piece, however long
+            budget = math.inf
+        elif not self._decode_seconds:  # no decode step timed yet: the least image work a piece can hold
+            budget = 0.0
+        else:
+            budget = self.image_work_share * statistics.median(self._decode_seconds)
+        deadline = perf_counter() + budget
+        while self._prefilling:
+            joining, prompt, pieces = self._prefilling[0]
+            try:
+                pieces.send(deadline - perf_counter())
+            except StopIteration as finished:
+                self._prefilling.popleft()
+                self._join(joining, prompt[-1:], prompt[:-1], finished.value)
+            if budget == math.inf or perf_counter() >= deadline:
+                break
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop requests; unknown or finished ids are ignored (aborts are idempotent)."""
@@ -267,12 +278,15 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One continuous-batching step: a prefill chunk and/or one decode token
-        each, and a piece of the oldest image prefill."""
-        if self._prefilling:
-            self._prefill_piece()
+        each, and image prefill pieces within the step's budget."""
+        piece = bool(self._prefilling)
+        if piece:
+            self._prefill_pieces()
         started = perf_counter()
         prompt_responses, generation_responses = self._generator.next()
-        if generation_responses and not prompt_responses:
+        # Timed only without image work beside it: the GPU runs the two at once,
+        # and a budget that grew with the steps it lengthens would feed itself.
+        if generation_responses and not prompt_responses and not piece:
             self._decode_seconds.append(perf_counter() - started)
         self.steps += 1
         for r in prompt_responses:

@@ -74,8 +74,8 @@ def evaluate_in_pieces(tape: list[list[mx.array]], budget: float) -> Generator[N
     `budget` seconds (each piece runs at least one block); the budget of the
     next piece comes with the `send` that resumes it."""
     start = perf_counter()
-    for outputs in tape:
-        if perf_counter() - start >= budget:
+    for i, outputs in enumerate(tape):
+        if i and perf_counter() - start >= budget:
             budget = yield
             start = perf_counter()
         mx.eval(outputs)

@@ -10,8 +10,8 @@ phases (and their ratios), vision throughput and time to first token; then
 the time to first token of new images against the same images asked about
 again behind another system prompt (the image feature cache). Default model:
 a tiny random-weight one built like the tests' (--family llava, qwen2_vl or
-qwen2_5_vl; serving overhead dominates), or with --qwen2-vl-2b one at
-Qwen2-VL-2B's size (random weights, bfloat16; for a GPU).
+qwen2_5_vl; serving overhead dominates), or with --qwen2-vl-size a larger
+random Qwen2-VL (small for a CPU, 2b for a GPU).
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="", help="a vision-language model directory (default: a tiny random one)")
     parser.add_argument("--family", default="llava", help="the tiny random model's family (tests/tiny_vision_model.py)")
-    parser.add_argument("--qwen2-vl-2b", action="store_true",
-                        help="the random model at Qwen2-VL-2B's size instead of tiny (for a GPU; family qwen2_vl)")
+    parser.add_argument("--qwen2-vl-size", choices=["small", "2b"],
+                        help="a larger random Qwen2-VL instead of a tiny one (tests/tiny_vision_model.py)")
     parser.add_argument("--text-users", type=int, default=8)
     parser.add_argument("--vision-users", type=int, default=4)
     parser.add_argument("--requests", type=int, default=32, help="text requests per phase (vision: half as many)")
@@ -111,10 +111,10 @@ def main() -> None:
         if not model_dir:
             from tests.tiny_vision_model import make_tiny_vision_model
 
-            if args.qwen2_vl_2b:
+            if args.qwen2_vl_size:
                 args.family = "qwen2_vl"
             model_dir = str(make_tiny_vision_model(Path(tmp) / "tiny-vision", family=args.family,
-                                                   qwen2_vl_2b=args.qwen2_vl_2b))
+                                                   qwen2_vl_size=args.qwen2_vl_size))
         proc, url, _ = start(model_dir, dict(os.environ))
         try:
             model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
@@ -125,7 +125,7 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait()
-    size = "Qwen2-VL-2B-sized" if args.qwen2_vl_2b else "tiny"
+    size = args.qwen2_vl_size or "tiny"
     print(f"model: {args.model or f'{size} random {args.family} (tests/tiny_vision_model.py)'}; "
           f"{args.tokens} tokens a request; "
           f"{args.text_users} text users, {args.vision_users} vision users ({args.image_size}x{args.image_size} PNG)")

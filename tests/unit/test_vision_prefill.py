@@ -16,7 +16,8 @@ from PIL import Image
 from protocol import AddRequest, Sampling, Tensor
 from tests.reference import VisionReference
 from tests.tiny_vision_model import make_tiny_vision_model
-from worker.engine import Engine
+from worker.engine import IMAGE_WORK_SHARE, Engine
+from worker.tower import evaluate_in_pieces
 from worker.vision import UnsupportedVisionModel, VisionPrefill, load_vision_model
 
 CHUNK = 8
@@ -36,11 +37,12 @@ def reference(vision_model):
     return VisionReference(vision_model)
 
 
-def engine_for(path) -> Engine:
+def engine_for(path, image_work_share: float = IMAGE_WORK_SHARE) -> Engine:
     model, image_token_id = load_vision_model(path)
     vision = VisionPrefill(model, image_token_id, CHUNK, None)
     return Engine(vision.language_model, eos_token_ids=[], vocab_size=model.config.vocab_size, context_length=2048,
-                  capacity=8, prefill_batch_size=4, prefill_step_size=CHUNK, vision=vision)
+                  capacity=8, prefill_batch_size=4, prefill_step_size=CHUNK, vision=vision,
+                  image_work_share=image_work_share)
 
 
 def processed(reference: VisionReference, image: Image.Image) -> tuple[list[int], dict[str, np.ndarray]]:
@@ -66,7 +68,7 @@ def random_image(seed: int) -> Image.Image:
 
 
 def test_an_image_prefill_runs_in_pieces_between_decode_steps(vision_model, reference):
-    engine = engine_for(vision_model)
+    engine = engine_for(vision_model, image_work_share=0.0)  # the least image work a step can hold
     engine.add(AddRequest("text", reference.tokenizer.encode("Once upon a time"),
                           Sampling(max_tokens=500, ignore_eos=True)))
     while not engine.step():
@@ -79,32 +81,63 @@ def test_an_image_prefill_runs_in_pieces_between_decode_steps(vision_model, refe
         steps += 1
         assert "text" in outputs, f"step {steps} of the image prefill decoded nothing for the text request"
         answer = outputs["image"].token_ids if "image" in outputs else []
-    # A chunk of the prompt per step, then the step that joins the batch.
+    # A piece per step (a tower block, the tower's end, a chunk of the prompt), then the step that joins the batch.
     assert steps >= (prompt_length - 1) // CHUNK
     while len(answer) < 12:
         answer += next((o.token_ids for o in engine.step() if o.request_id == "image"), [])
     assert answer == reference.greedy(MESSAGES, [image], 12, ignore_eos=True).token_ids
 
 
-def test_a_spent_budget_runs_the_tower_a_block_per_piece_to_the_same_cache(vision_model, reference):
+def test_a_step_with_time_to_spare_runs_more_of_the_image_work(vision_model, reference):
+    engine = engine_for(vision_model, image_work_share=1e6)
+    engine.add(AddRequest("text", reference.tokenizer.encode("Once upon a time"),
+                          Sampling(max_tokens=500, ignore_eos=True)))
+    for _ in range(5):  # plain decode steps, timed for the budget
+        engine.step()
+    image = random_image(3)
+    add_image_request(engine, reference, image)
+    steps, answer = 0, []
+    while not answer:
+        outputs = {o.request_id: o for o in engine.step()}
+        steps += 1
+        answer = outputs["image"].token_ids if "image" in outputs else []
+    # The whole prefill in the first step, its last token through the batch in the next.
+    assert steps <= 2
+    assert answer == reference.greedy(MESSAGES, [image], 1, ignore_eos=True).token_ids[:len(answer)]
+
+
+def count_pieces(tape: list, budget: float) -> int:
+    pieces, count = evaluate_in_pieces(tape, budget), 1
+    try:
+        next(pieces)
+        while True:
+            count += 1
+            pieces.send(budget)
+    except StopIteration:
+        return count
+
+
+def test_a_spent_budget_still_runs_a_block_per_piece():
+    tape = [[mx.array([float(i)]) * 2] for i in range(4)]
+    assert count_pieces(tape, 0.0) == 4
+    assert count_pieces(tape, math.inf) == 1
+
+
+def test_the_budget_does_not_change_the_cache(vision_model, reference):
     model, image_token_id = load_vision_model(vision_model)
     vision = VisionPrefill(model, image_token_id, CHUNK, None)
     prompt, arrays = processed(reference, random_image(2))
-    runs = {}
+    states = []
     for budget in (0.0, math.inf):
         pieces = vision.prefill(prompt, len(prompt), -1, arrays, None, 0)
         next(pieces)
-        count = 0
         while True:
-            count += 1
             try:
                 pieces.send(budget)
             except StopIteration as finished:
-                runs[budget] = count, finished.value[0].state[0]
+                states.append(finished.value[0].state[0])
                 break
-    # Each block but the last its own piece; the last one runs with the tower's end.
-    assert runs[0.0][0] - runs[math.inf][0] == len(vision.blocks) - 1
-    assert mx.array_equal(runs[0.0][1], runs[math.inf][1])
+    assert mx.array_equal(*states)
 
 
 def test_a_request_aborted_while_its_image_prefills_is_gone(vision_model, reference):
