@@ -71,6 +71,8 @@ class Metrics:
             "mlxd_prefix_cache_cached_tokens": worker.get("prefix_cache", {}).get("cached_tokens", 0),
             "mlxd_image_feature_cache_hits": worker.get("prefix_cache", {}).get("image_hits", 0),
             "mlxd_image_feature_cache_bytes": worker.get("prefix_cache", {}).get("image_bytes", 0),
+            "mlxd_prefix_cache_disk_tokens": worker.get("prefix_cache", {}).get("disk_tokens", 0),
+            "mlxd_prefix_cache_disk_bytes": worker.get("prefix_cache", {}).get("disk_bytes", 0),
         }
         counters = {
             "mlxd_workers_lost_total": worker.get("workers_lost", 0),

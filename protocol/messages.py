@@ -198,6 +198,9 @@ class PrefixCacheStats(msgspec.Struct, array_like=True):
     # A vision model's image features kept for reuse (worker.vision.FeatureCache).
     image_hits: int = 0  # requests whose images skipped the vision tower
     image_bytes: int = 0
+    # The disk tier (worker.disk_cache), where there is one.
+    disk_tokens: int = 0  # prompt tokens whose KV state was read back from disk, in total
+    disk_bytes: int = 0
 
 
 class MemoryStats(msgspec.Struct, array_like=True):

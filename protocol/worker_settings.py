@@ -44,6 +44,14 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
         int, Meta(ge=0, description="memory for KV state kept to reuse shared prompt prefixes (a vision model "
                                     "keeps image features in an eighth of it); 0 turns it off")
     ] = 1 << 30
+    prefix_cache_dir: Annotated[
+        str | None,
+        Meta(description="directory for KV state kept on disk across worker restarts (0700; blocks of 256 tokens "
+                         "under the model's identity); unset: RAM only"),
+    ] = None
+    prefix_cache_disk_bytes: Annotated[
+        int, Meta(ge=0, description="disk space for --prefix-cache-dir; the least recently used blocks go beyond it")
+    ] = 10 << 30
     memory_limit_bytes: Annotated[
         int | None,
         Meta(description="MLX's memory limit for this worker (`mlxd serve` sets it to the model's share of "

@@ -4,21 +4,24 @@ the serving loop (worker/serve.py) until a signal drains it."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
 import time
+from pathlib import Path
 
 import zmq
 
 from protocol import EXIT_LOAD_FAILED, PROTOCOL_VERSION, Hello, LoadFailed, encode
 from protocol.worker_settings import WorkerSettings, model_source, split_model
 from worker.audit import AffinityAudit
+from worker.disk_cache import DiskCache
 from worker.embed import embedder_for
 from worker.engine import Engine
 from worker.footprint import kv_footprint, set_limits, weights_bytes
 from worker.grammar import Grammars
-from worker.model import load_model
+from worker.model import LoadedModel, load_model
 from worker.model_source import ModelNotFound
 from worker.prefix_cache import PrefixCache
 from worker.serve import Worker
@@ -71,6 +74,8 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         prefix_cache_bytes -= features.budget if features else 0
         vision = VisionPrefill(loaded.model, loaded.image_token_id, settings.prefill_chunk, features)
     text_model = vision.language_model if vision else loaded.model
+    disk = DiskCache(Path(settings.prefix_cache_dir), settings.prefix_cache_disk_bytes, model_identity(loaded)) \
+        if settings.prefix_cache_dir else None
     engine = Engine(
         text_model,
         eos_token_ids=loaded.eos_token_ids,
@@ -80,7 +85,7 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         prefill_batch_size=settings.prefill_batch,
         prefill_step_size=settings.prefill_chunk,
         grammars=Grammars(loaded.hf_tokenizer, loaded.vocab_size, loaded.eos_token_ids),
-        prefix_cache=PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None,
+        prefix_cache=PrefixCache(prefix_cache_bytes, disk) if prefix_cache_bytes or disk else None,
         vision=vision,
     )
     hello = Hello(
@@ -113,4 +118,18 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     log.info("serving %s on %s", loaded.name, settings.worker_endpoint)
-    return worker.run()
+    try:
+        return worker.run()
+    finally:
+        if disk is not None:
+            disk.close()
+
+
+def model_identity(loaded: LoadedModel) -> bytes:
+    """What KV state on disk is filed under: the weights' digest and the
+    tokenizer's files (its chat template among them), so that blocks of
+    another model, quantization or template never match."""
+    identity = hashlib.sha256(loaded.digest.encode())
+    for name, data in sorted(loaded.tokenizer_files.items()):
+        identity.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    return identity.digest()

@@ -1,0 +1,89 @@
+"""The prefix cache's disk tier (--prefix-cache-dir): KV state outlives the
+worker, is read back only for the model that wrote it, and a damaged file
+costs a prefill, never an answer."""
+
+from __future__ import annotations
+
+import stat
+
+import openai
+
+from tests.conftest import running, wait_for
+from tests.tiny_model import make_tiny_model
+
+SYSTEM = " ".join(f"Rule {i}: be brief." for i in range(80))  # ~1500 tokens: 5 blocks of 256
+MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
+
+
+def ask(srv) -> openai.types.chat.ChatCompletion:
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    return client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0)
+
+
+def serve_args(model, directory) -> list[str]:
+    return ["serve", "--model", f"tiny={model}", "--prefix-cache-dir", str(directory), "--heartbeat-s", "0.05"]
+
+
+def disk_tokens(srv) -> int:
+    """The worker's count of prompt tokens read back from disk, once a heartbeat has brought it."""
+    wait_for(lambda: "prefix_cache" in srv.health()["worker"], 5, "prefix-cache stats")
+    return srv.health()["worker"]["prefix_cache"]["disk_tokens"]
+
+
+def blocks(directory) -> list:
+    return sorted(directory.glob("*.kv"))
+
+
+def test_kv_state_outlives_the_worker_and_a_damaged_file_costs_only_a_prefill(tiny_model, reference, tmp_path):
+    directory = tmp_path / "kv"
+    prompt = reference.chat_prompt(MESSAGES)
+    expected = reference.greedy(prompt, 16).text
+    with running(serve_args(tiny_model, directory), tmp_path / "first.log") as srv:
+        cold = ask(srv)
+        wait_for(lambda: len(blocks(directory)) >= (len(prompt) + 16) // 256, 10, "blocks written")
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0 and cold.choices[0].message.content == expected
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert {stat.S_IMODE(f.stat().st_mode) for f in blocks(directory)} == {0o600}
+
+    with running(serve_args(tiny_model, directory), tmp_path / "second.log") as srv:
+        warm = ask(srv)
+        restored = disk_tokens(srv)
+    assert warm.usage.prompt_tokens_details.cached_tokens >= 0.8 * len(prompt)
+    assert restored == warm.usage.prompt_tokens_details.cached_tokens
+    assert warm.choices[0].message.content == expected
+
+    damaged = {}
+    for i, path in enumerate(blocks(directory)):
+        data = bytearray(path.read_bytes())
+        if i % 2:
+            data[len(data) // 2] ^= 0xFF  # a flipped bit in the payload
+        else:
+            data = data[: len(data) // 3]  # truncated
+        path.write_bytes(bytes(data))
+        damaged[path] = bytes(data)
+
+    def rewritten() -> bool:
+        return any(path.exists() and path.read_bytes() != data for path, data in damaged.items())
+
+    with running(serve_args(tiny_model, directory), tmp_path / "third.log") as srv:
+        again = ask(srv)
+        assert disk_tokens(srv) == 0
+        # The first block read was dropped, then written again from this answer's state.
+        wait_for(rewritten, 10, "a damaged block written again")
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].message.content == expected
+
+
+def test_another_model_never_reads_the_blocks(tiny_model, reference, tmp_path):
+    directory = tmp_path / "kv"
+    whole_blocks = (len(reference.chat_prompt(MESSAGES)) + 16) // 256
+    other = make_tiny_model(tmp_path / "other", seed=1)  # the same tokenizer, other weights
+    with running(serve_args(tiny_model, directory), tmp_path / "first.log") as srv:
+        ask(srv)
+        wait_for(lambda: len(blocks(directory)) >= whole_blocks, 10, "blocks written")
+    written = set(blocks(directory))
+    with running(serve_args(other, directory), tmp_path / "other.log") as srv:
+        response = ask(srv)
+        assert disk_tokens(srv) == 0
+    assert response.usage.prompt_tokens_details.cached_tokens == 0
+    assert written <= set(blocks(directory))  # its blocks are its own, beside the first model's

@@ -1,0 +1,201 @@
+"""KV state on disk: the prefix cache's second tier, which outlives the worker.
+
+A prompt's KV state is kept in blocks of BLOCK_TOKENS tokens, one file each,
+named by a chained key: the SHA-256 of the block before's key (for the first
+block, the identity of the model, its tokenizer and chat template) and the
+block's token ids. A file so matches only the same tokens from the prompt's
+start under the same model. After a restart, or once the RAM tier has let a
+prefix go, the longest chain of blocks on disk is read back before the rest is
+prefilled.
+
+The main thread copies a block's arrays to bytes (MLX stays on it); a writer
+thread, which never calls MLX, writes each file (0600, in a 0700 directory,
+under a temporary name first) and removes the least recently used files
+beyond the byte budget. Reading checks a header and a checksum: a corrupt,
+truncated or foreign file is removed, and the chain ends before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import mlx.core as mx
+import msgspec
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+log = logging.getLogger("mlxd.worker")
+
+BLOCK_TOKENS = 256
+MAGIC = b"mlxd-kv1"
+SUFFIX = ".kv"
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+class CorruptBlock(ValueError):
+    pass
+
+
+class BlockLayout(msgspec.Struct, array_like=True):
+    """What a block file's payload holds: each layer's keys, then its values."""
+
+    shapes: list[list[int]]
+    dtypes: list[str]
+
+
+def chain_keys(identity: bytes, tokens: Sequence[int]) -> list[str]:
+    """The key of each whole block of `tokens`, in order."""
+    keys, parent = [], hashlib.sha256(identity).digest()
+    for start in range(0, len(tokens) - BLOCK_TOKENS + 1, BLOCK_TOKENS):
+        parent = hashlib.sha256(parent + np.asarray(tokens[start:start + BLOCK_TOKENS], np.int64).tobytes()).digest()
+        keys.append(parent.hex())
+    return keys
+
+
+def encode_block(arrays: list[mx.array]) -> bytes:
+    """A block file: MAGIC, the SHA-256 of the rest, the layout's length and the layout, the arrays' bytes."""
+    layout = msgspec.msgpack.encode(BlockLayout([list(a.shape) for a in arrays],
+                                                [str(a.dtype).rsplit(".", 1)[1] for a in arrays]))
+    body = struct.pack("<I", len(layout)) + layout + b"".join(np.asarray(a.view(mx.uint8)).tobytes() for a in arrays)
+    return MAGIC + hashlib.sha256(body).digest() + body
+
+
+def decode_block(data: bytes) -> list[mx.array]:
+    if len(data) < len(MAGIC) + 36 or not data.startswith(MAGIC):
+        raise CorruptBlock("not a block file")
+    digest, body = data[len(MAGIC):len(MAGIC) + 32], data[len(MAGIC) + 32:]
+    if hashlib.sha256(body).digest() != digest:
+        raise CorruptBlock("checksum mismatch")
+    (size,) = struct.unpack_from("<I", body)
+    try:
+        layout = msgspec.msgpack.decode(body[4:4 + size], type=BlockLayout)
+        offset, arrays = 4 + size, []
+        for shape, name in zip(layout.shapes, layout.dtypes, strict=True):
+            dtype = DTYPES[name]
+            nbytes = int(np.prod(shape)) * dtype.size
+            raw = np.frombuffer(body, np.uint8, nbytes, offset)
+            arrays.append(mx.array(raw).view(dtype).reshape(shape))
+            offset += nbytes
+    except (msgspec.DecodeError, KeyError, ValueError) as e:
+        raise CorruptBlock(str(e)) from None
+    if offset != len(body):
+        raise CorruptBlock("payload size mismatch")
+    return arrays
+
+
+class DiskCache:
+    def __init__(self, directory: Path, budget_bytes: int, identity: bytes) -> None:
+        self.directory = directory
+        self.budget = budget_bytes
+        self.identity = identity
+        directory.mkdir(parents=True, exist_ok=True)
+        directory.chmod(0o700)
+        self.restored_tokens = 0
+        # Block keys on disk, least recently used first, with their sizes; the
+        # writer thread and the main thread share it under the lock.
+        self._lock = threading.Lock()
+        self._files: OrderedDict[str, int] = OrderedDict()
+        for path in sorted(directory.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime):
+            self._files[path.stem] = path.stat().st_size
+        self.nbytes = sum(self._files.values())
+        self._pending: queue.Queue[tuple[str, bytes] | None] = queue.Queue(maxsize=64)
+        self._writer = threading.Thread(target=self._write_loop, name="mlxd-disk-cache", daemon=True)
+        self._writer.start()
+
+    def restore(self, tokens: Sequence[int], beyond: int) -> tuple[list[KVCache] | None, int]:
+        """The KV state of the longest chain of blocks on disk that starts
+        `tokens` and is longer than `beyond` tokens, and its length; (None, 0)
+        when none is."""
+        blocks = []
+        for key in chain_keys(self.identity, tokens):
+            with self._lock:
+                known = key in self._files
+                if known:
+                    self._files.move_to_end(key)
+            if not known:
+                break
+            path = self._path(key)
+            try:
+                blocks.append(decode_block(path.read_bytes()))
+                os.utime(path)
+            except (OSError, CorruptBlock) as e:
+                log.warning("dropping prefix-cache block %s: %s", path.name, e)
+                self._forget(key)
+                break
+        if len(blocks) * BLOCK_TOKENS <= beyond:
+            return None, 0
+        layers = len(blocks[0]) // 2
+        cache = []
+        for layer in range(layers):
+            c = KVCache()
+            c.keys = mx.concatenate([b[2 * layer] for b in blocks], axis=2)
+            c.values = mx.concatenate([b[2 * layer + 1] for b in blocks], axis=2)
+            c.offset = c.keys.shape[2]
+            cache.append(c)
+        mx.eval([(c.keys, c.values) for c in cache])
+        self.restored_tokens += len(blocks) * BLOCK_TOKENS
+        return cache, len(blocks) * BLOCK_TOKENS
+
+    def save(self, tokens: Sequence[int], cache: list) -> None:
+        """Queue for writing the blocks of `tokens` not on disk yet, from
+        `cache` (their KV state). Only plain KV caches are kept: a window,
+        a recurrent state or quantized keys cannot be cut into blocks here."""
+        if not cache or any(type(c) is not KVCache for c in cache):
+            return
+        for index, key in enumerate(chain_keys(self.identity, tokens[:min(c.offset for c in cache)])):
+            with self._lock:
+                if key in self._files:
+                    continue
+            start, end = index * BLOCK_TOKENS, (index + 1) * BLOCK_TOKENS
+            arrays = [mx.contiguous(a[..., start:end, :]) for c in cache for a in (c.keys, c.values)]
+            mx.eval(arrays)
+            try:
+                self._pending.put_nowait((key, encode_block(arrays)))
+            except queue.Full:  # the disk is behind: these blocks stay in RAM only
+                return
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer."""
+        self._pending.put(None)
+        self._writer.join()
+
+    def _path(self, key: str) -> Path:
+        return self.directory / (key + SUFFIX)
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            self.nbytes -= self._files.pop(key, 0)
+        self._path(key).unlink(missing_ok=True)
+
+    def _write_loop(self) -> None:
+        while (item := self._pending.get()) is not None:
+            key, data = item
+            path = self._path(key)
+            temporary = path.with_suffix(f".{os.getpid()}.tmp")  # replicas of a model may share the directory
+            try:
+                fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(temporary, path)
+            except OSError as e:
+                log.warning("could not write prefix-cache block %s: %s", path.name, e)
+                temporary.unlink(missing_ok=True)
+                continue
+            with self._lock:
+                self._files[key] = len(data)
+                self.nbytes += len(data)
+                evicted = []
+                while self.nbytes > self.budget and self._files:
+                    old, size = self._files.popitem(last=False)
+                    self.nbytes -= size
+                    evicted.append(old)
+            for old in evicted:
+                self._path(old).unlink(missing_ok=True)
