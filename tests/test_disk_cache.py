@@ -4,8 +4,13 @@ costs a prefill, never an answer."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import stat
+import threading
 
+import httpx
 import openai
 
 from tests.conftest import running, wait_for
@@ -87,3 +92,30 @@ def test_another_model_never_reads_the_blocks(tiny_model, reference, tmp_path):
         assert disk_tokens(srv) == 0
     assert response.usage.prompt_tokens_details.cached_tokens == 0
     assert written <= set(blocks(directory))  # its blocks are its own, beside the first model's
+
+
+def test_a_stream_resumed_after_a_worker_kill_reads_its_prompt_back_from_disk(tiny_model, reference, tmp_path):
+    directory = tmp_path / "kv"
+    prompt = reference.text_prompt(SYSTEM)
+    expected = reference.greedy(prompt, 300, ignore_eos=True).text
+    pieces: list[str] = []
+    with running(serve_args(tiny_model, directory), tmp_path / "serve.log") as srv:
+        def read() -> None:
+            body = {"model": "tiny", "prompt": SYSTEM, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+                    "stream": True}
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        pieces.extend(c["text"] for c in json.loads(line[6:])["choices"])
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        # The prompt's blocks go to disk with its first token, not at its end.
+        wait_for(lambda: len(blocks(directory)) >= len(prompt) // 256, 10, "the prompt's blocks written")
+        first = srv.health()["worker"]["pid"]
+        assert reader.is_alive()  # mid-stream
+        os.kill(first, signal.SIGKILL)
+        reader.join(120)
+        assert "".join(pieces) == expected
+        assert srv.health()["worker"]["pid"] != first
+        assert disk_tokens(srv) >= 0.8 * len(prompt)

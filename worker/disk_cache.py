@@ -130,7 +130,7 @@ class DiskCache:
                 log.warning("dropping prefix-cache block %s: %s", path.name, e)
                 self._forget(key)
                 break
-        if len(blocks) * BLOCK_TOKENS <= beyond:
+        if not blocks or len(blocks) * BLOCK_TOKENS <= beyond:
             return None, 0
         layers = len(blocks[0]) // 2
         cache = []

@@ -44,6 +44,7 @@ class Admitted:
     cache_key: list[int] | None = None  # a request with images: its prefix-cache key (see worker.vision)
     uid: int | None = None  # the BatchGenerator's, once it joined the batch
     waiting: bool = True  # not prefilled yet
+    on_disk: bool = False  # its prompt's KV state was handed to the disk tier
 
 
 @dataclass(slots=True)
@@ -293,9 +294,15 @@ class Engine:
             self._started(self._by_uid[r.uid])
         outputs = []
         wanted = []
+        disk = self.prefix_cache.disk if self.prefix_cache is not None else None
         for r in generation_responses:
             admitted = self._by_uid[r.uid]
             self._started(admitted)
+            if disk is not None and not admitted.on_disk:
+                # Now, not at its end: a worker lost mid-stream leaves the prompt on disk for the resumed request.
+                admitted.on_disk = True
+                cache, tokens = self._generator.extract_cache([r.uid])[r.uid]
+                disk.save(self._cache_key(admitted, list(tokens)), cache)
             outputs.append(RequestOutput(admitted.request_id, [r.token], r.finish_reason,
                                          cached_tokens=admitted.cached_tokens))
             admitted.cached_tokens = None  # reported once, on the first output
