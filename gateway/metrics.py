@@ -72,7 +72,10 @@ class Metrics:
             "mlxd_image_feature_cache_hits": worker.get("prefix_cache", {}).get("image_hits", 0),
             "mlxd_image_feature_cache_bytes": worker.get("prefix_cache", {}).get("image_bytes", 0),
             "mlxd_prefix_cache_disk_tokens": worker.get("prefix_cache", {}).get("disk_tokens", 0),
+            "mlxd_prefix_cache_disk_hits": worker.get("prefix_cache", {}).get("disk_hits", 0),
             "mlxd_prefix_cache_disk_bytes": worker.get("prefix_cache", {}).get("disk_bytes", 0),
+            "mlxd_prefix_cache_lookups": worker.get("prefix_cache", {}).get("lookups", 0),
+            "mlxd_prefix_cache_prefilled_tokens": worker.get("prefix_cache", {}).get("prefilled_tokens", 0),
         }
         counters = {
             "mlxd_workers_lost_total": worker.get("workers_lost", 0),

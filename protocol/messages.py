@@ -199,8 +199,11 @@ class PrefixCacheStats(msgspec.Struct, array_like=True):
     image_hits: int = 0  # requests whose images skipped the vision tower
     image_bytes: int = 0
     # The disk tier (worker.disk_cache), where there is one.
-    disk_tokens: int = 0  # prompt tokens whose KV state was read back from disk, in total
+    disk_tokens: int = 0  # prompt tokens whose KV state was read back from disk, in total (within cached_tokens)
+    disk_hits: int = 0
     disk_bytes: int = 0
+    lookups: int = 0  # prompts looked up: hits / lookups is the hit rate
+    prefilled_tokens: int = 0  # prompt tokens that found no KV state to reuse, in total
 
 
 class MemoryStats(msgspec.Struct, array_like=True):

@@ -53,8 +53,11 @@ def test_kv_state_outlives_the_worker_and_a_damaged_file_costs_only_a_prefill(ti
     with running(serve_args(tiny_model, directory), tmp_path / "second.log") as srv:
         warm = ask(srv)
         restored = disk_tokens(srv)
+        metrics = srv.http.get("/metrics").text
     assert warm.usage.prompt_tokens_details.cached_tokens >= 0.8 * len(prompt)
     assert restored == warm.usage.prompt_tokens_details.cached_tokens
+    assert f"mlxd_prefix_cache_disk_tokens {restored}\n" in metrics
+    assert f"mlxd_prefix_cache_prefilled_tokens {len(prompt) - restored}\n" in metrics
     assert warm.choices[0].message.content == expected
 
     damaged = {}

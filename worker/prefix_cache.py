@@ -28,12 +28,16 @@ class PrefixCache:
         self.disk = disk
         self.hits = 0
         self.cached_tokens = 0
+        self.lookups = 0
+        self.prefilled_tokens = 0
+        self.disk_hits = 0
 
     def take(self, prompt: list[int]) -> tuple[list | None, int]:
         """A copy of the cached KV state for the longest usable prefix of
         `prompt`, and that prefix's length. At least one prompt token is always
         left to prefill, since the step that reads the prompt yields the first
         token."""
+        self.lookups += 1
         cache, rest = self._lru.fetch_nearest_cache(MODEL_KEY, prompt)
         if cache is not None and not rest:
             if not can_trim_prompt_cache(cache):
@@ -46,6 +50,8 @@ class PrefixCache:
             restored, length = self.disk.restore(prompt[:-1], reused)
             if restored is not None:
                 cache, reused = restored, length
+                self.disk_hits += 1
+        self.prefilled_tokens += len(prompt) - reused
         if cache is None:
             return None, 0
         self.hits += 1
@@ -62,4 +68,6 @@ class PrefixCache:
     def stats(self) -> PrefixCacheStats:
         disk = self.disk
         return PrefixCacheStats(self.hits, self.cached_tokens, self._lru.nbytes, len(self._lru),
-                                disk_tokens=disk.restored_tokens if disk else 0, disk_bytes=disk.nbytes if disk else 0)
+                                disk_tokens=disk.restored_tokens if disk else 0, disk_hits=self.disk_hits,
+                                disk_bytes=disk.nbytes if disk else 0, lookups=self.lookups,
+                                prefilled_tokens=self.prefilled_tokens)
