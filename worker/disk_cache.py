@@ -35,6 +35,9 @@ from mlx_lm.models.cache import KVCache
 log = logging.getLogger("mlxd.worker")
 
 BLOCK_TOKENS = 256
+# Bytes of blocks waiting for the writer; beyond it a block stays in RAM only
+# (the disk is behind, and the queue must not grow without bound).
+QUEUE_BYTES = 256 << 20
 MAGIC = b"mlxd-kv1"
 SUFFIX = ".kv"
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -106,7 +109,8 @@ class DiskCache:
         for path in sorted(directory.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime):
             self._files[path.stem] = path.stat().st_size
         self.nbytes = sum(self._files.values())
-        self._pending: queue.Queue[tuple[str, bytes] | None] = queue.Queue(maxsize=64)
+        self._pending: queue.Queue[tuple[str, bytes, int] | None] = queue.Queue()  # key, file, queued bytes
+        self._queued_bytes = 0
         self._writer = threading.Thread(target=self._write_loop, name="mlxd-disk-cache", daemon=True)
         self._writer.start()
 
@@ -156,11 +160,13 @@ class DiskCache:
                     continue
             start, end = index * BLOCK_TOKENS, (index + 1) * BLOCK_TOKENS
             arrays = [mx.contiguous(a[..., start:end, :]) for c in cache for a in (c.keys, c.values)]
+            size = sum(a.nbytes for a in arrays)
+            with self._lock:
+                if self._queued_bytes + size > QUEUE_BYTES:
+                    return
+                self._queued_bytes += size
             mx.eval(arrays)
-            try:
-                self._pending.put_nowait((key, encode_block(arrays)))
-            except queue.Full:  # the disk is behind: these blocks stay in RAM only
-                return
+            self._pending.put((key, encode_block(arrays), size))
 
     def close(self) -> None:
         """Write what is queued, then stop the writer."""
@@ -177,7 +183,9 @@ class DiskCache:
 
     def _write_loop(self) -> None:
         while (item := self._pending.get()) is not None:
-            key, data = item
+            key, data, size = item
+            with self._lock:
+                self._queued_bytes -= size
             path = self._path(key)
             temporary = path.with_suffix(f".{os.getpid()}.tmp")  # replicas of a model may share the directory
             try:

@@ -3,7 +3,7 @@
     python -m tests.bench.agent_replay [--model M] [--turns 20] [--rules 1000]
 
 A coding agent resends its whole context every turn: a long system prompt
-(`--rules` short rules, about 7 tokens each) and the growing history. The
+(`--rules` short rules, about 10 tokens each) and the growing history. The
 same greedy conversation is replayed through `mlxd serve` three times, and
 each turn's time to first token is reported: cold (`--prefix-cache-bytes 0`,
 every turn prefilled whole), warm in RAM (the RAM tier, with a disk
@@ -42,6 +42,8 @@ def ask(url: str, model: str, messages: list[dict], tokens: int) -> tuple[float,
             "stream_options": {"include_usage": True}}
     started, first, text, cached = time.perf_counter(), None, [], 0
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise SystemExit(f"{r.status_code}: {r.read().decode()}")
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -81,6 +83,8 @@ def stall_on_kill(url: str, model: str, system: str) -> float:
     reader = threading.Thread(target=read)
     reader.start()
     while len(times) < 10:
+        if not reader.is_alive():
+            raise SystemExit("the stream ended before its worker could be killed")
         time.sleep(0.005)
     os.kill(httpx.get(url + "/health").json()["worker"]["pid"], signal.SIGKILL)
     reader.join()
@@ -102,7 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="", help="default: the embedded SmolLM2")
     parser.add_argument("--turns", type=int, default=20)
-    parser.add_argument("--rules", type=int, default=1000)
+    parser.add_argument("--rules", type=int, default=700, help="about 10 tokens each (700: 7k tokens)")
     args = parser.parse_args()
     system = system_prompt(args.rules)
     runs: dict[str, list[tuple[float, int]]] = {}
