@@ -23,6 +23,7 @@ import os
 import queue
 import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -108,6 +109,9 @@ class DiskCache:
         self._files: OrderedDict[str, int] = OrderedDict()
         for path in sorted(directory.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime):
             self._files[path.stem] = path.stat().st_size
+        for path in directory.glob("*.tmp"):  # a write a crash cut short; an hour leaves other workers' own
+            if time.time() - path.stat().st_mtime > 3600:
+                path.unlink(missing_ok=True)
         self.nbytes = sum(self._files.values())
         self._pending: queue.Queue[tuple[str, bytes, int] | None] = queue.Queue()  # key, file, queued bytes
         self._queued_bytes = 0
