@@ -115,6 +115,7 @@ class DiskCache:
         self.nbytes = sum(self._files.values())
         self._pending: queue.Queue[tuple[str, bytes, int] | None] = queue.Queue()  # key, file, queued bytes
         self._queued_bytes = 0
+        self._queued: set[str] = set()  # keys handed to the writer, not on disk yet
         self._writer = threading.Thread(target=self._write_loop, name="mlxd-disk-cache", daemon=True)
         self._writer.start()
 
@@ -159,16 +160,16 @@ class DiskCache:
         if not cache or any(type(c) is not KVCache for c in cache):
             return
         for index, key in enumerate(chain_keys(self.identity, tokens[:min(c.offset for c in cache)])):
-            with self._lock:
-                if key in self._files:
-                    continue
             start, end = index * BLOCK_TOKENS, (index + 1) * BLOCK_TOKENS
             arrays = [mx.contiguous(a[..., start:end, :]) for c in cache for a in (c.keys, c.values)]
             size = sum(a.nbytes for a in arrays)
             with self._lock:
+                if key in self._files or key in self._queued:
+                    continue
                 if self._queued_bytes + size > QUEUE_BYTES:
                     return
                 self._queued_bytes += size
+                self._queued.add(key)
             mx.eval(arrays)
             self._pending.put((key, encode_block(arrays), size))
 
@@ -188,8 +189,6 @@ class DiskCache:
     def _write_loop(self) -> None:
         while (item := self._pending.get()) is not None:
             key, data, size = item
-            with self._lock:
-                self._queued_bytes -= size
             path = self._path(key)
             temporary = path.with_suffix(f".{os.getpid()}.tmp")  # replicas of a model may share the directory
             try:
@@ -200,14 +199,19 @@ class DiskCache:
             except OSError as e:
                 log.warning("could not write prefix-cache block %s: %s", path.name, e)
                 temporary.unlink(missing_ok=True)
+                with self._lock:
+                    self._queued_bytes -= size
+                    self._queued.discard(key)
                 continue
             with self._lock:
+                self._queued_bytes -= size
+                self._queued.discard(key)
                 self._files[key] = len(data)
                 self.nbytes += len(data)
                 evicted = []
                 while self.nbytes > self.budget and self._files:
-                    old, size = self._files.popitem(last=False)
-                    self.nbytes -= size
+                    old, old_size = self._files.popitem(last=False)
+                    self.nbytes -= old_size
                     evicted.append(old)
             for old in evicted:
                 self._path(old).unlink(missing_ok=True)
