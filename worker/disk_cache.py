@@ -125,20 +125,25 @@ class DiskCache:
         when none is."""
         blocks = []
         for key in chain_keys(self.identity, tokens):
+            path = self._path(key)
             with self._lock:
                 known = key in self._files
                 if known:
                     self._files.move_to_end(key)
-            if not known:
+            if not known and not path.exists():  # another worker on this directory may have written it
                 break
-            path = self._path(key)
             try:
-                blocks.append(decode_block(path.read_bytes()))
+                data = path.read_bytes()
+                blocks.append(decode_block(data))
                 os.utime(path)
             except (OSError, CorruptBlock) as e:
                 log.warning("dropping prefix-cache block %s: %s", path.name, e)
                 self._forget(key)
                 break
+            if not known:
+                with self._lock:
+                    self._files[key] = len(data)
+                    self.nbytes += len(data)
         if not blocks or len(blocks) * BLOCK_TOKENS <= beyond:
             return None, 0
         layers = len(blocks[0]) // 2

@@ -74,3 +74,12 @@ def test_a_damaged_or_foreign_block_ends_the_chain_and_is_removed(tmp_path):
     _, length = DiskCache(tmp_path, 1 << 30, IDENTITY).restore(tokens, 0)
     assert length < 3 * BLOCK_TOKENS
     assert not foreign.exists()
+
+
+def test_workers_sharing_a_directory_read_each_others_blocks(tmp_path):
+    tokens = list(range(2 * BLOCK_TOKENS))
+    reader = DiskCache(tmp_path, 1 << 30, IDENTITY)  # started before the other wrote anything
+    written(tmp_path, 1 << 30, tokens, kv_cache(len(tokens)))
+    _, length = reader.restore(tokens, 0)
+    assert length == 2 * BLOCK_TOKENS
+    assert reader.nbytes == sum(f.stat().st_size for f in tmp_path.glob("*.kv"))
