@@ -30,8 +30,8 @@ def serve_args(model, directory) -> list[str]:
 
 
 def disk_tokens(srv) -> int:
-    """The worker's count of prompt tokens read back from disk, once a heartbeat has brought it."""
-    wait_for(lambda: "prefix_cache" in srv.health()["worker"], 5, "prefix-cache stats")
+    """The worker's count of prompt tokens read back from disk, once a heartbeat has brought its first lookup."""
+    wait_for(lambda: srv.health()["worker"].get("prefix_cache", {}).get("lookups", 0) >= 1, 5, "prefix-cache stats")
     return srv.health()["worker"]["prefix_cache"]["disk_tokens"]
 
 
