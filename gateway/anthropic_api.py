@@ -144,7 +144,7 @@ class AnthropicAPI:
         plan = Plan(model=body.model, prompt=chat_input(body), sampling=SamplingParams(), stops=[], tools=tools(body))
         lease, worker = await self.serving.lease(body.model, keep_alive_seconds(body.keep_alive))
         try:
-            prompt = await self.serving.prompt(worker, plan)
+            prompt = await self.serving.prompt(request, worker, plan)
         finally:
             lease.release()
         return MsgspecResponse({"input_tokens": len(prompt.token_ids)})

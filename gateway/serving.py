@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -41,6 +42,10 @@ from gateway.worker_link import WorkerLink, WorkerState, WorkerUnavailable
 
 log = logging.getLogger("mlxd.gateway.api")
 T = TypeVar("T")
+# Up to this size a prompt is tokenized on the event loop: the hop to a thread
+# and back costs about what tokenizing a thousand characters does, while a long
+# agent context would hold the loop (and every stream) for milliseconds.
+INLINE_TOKENIZE_BYTES = 4096
 
 
 def unavailable(message: str, code: str = "worker_unavailable") -> APIError:
@@ -114,6 +119,7 @@ class Serving:
 
         try:
             await asyncio.wait_for(read(), self.settings.body_timeout_s)
+            request.scope["state"]["body_bytes"] = size
         except TimeoutError:
             raise APIError(
                 408, f"the request body did not arrive within {self.settings.body_timeout_s:g}s", code="timeout"
@@ -179,9 +185,12 @@ class Serving:
             raise
         return lease, worker
 
-    async def tokenize(self, fn: Callable[..., T], *args: Any, param: str = "messages") -> T:
-        """fn(*args) in a thread; a PromptError is the client's 400."""
+    async def tokenize(self, size: float, fn: Callable[..., T], *args: Any, param: str = "messages") -> T:
+        """fn(*args), made from `size` bytes of the request: on the event loop
+        when small, in a thread when large; a PromptError is the client's 400."""
         try:
+            if size <= INLINE_TOKENIZE_BYTES:
+                return fn(*args)
             return await asyncio.to_thread(fn, *args)
         except PromptError as e:
             raise APIError(400, str(e), param=param) from None
@@ -207,14 +216,15 @@ class Serving:
         return min(requested or room, room)
 
 
-    async def prompt(self, worker: WorkerState, plan: Plan) -> Prompt:
+    async def prompt(self, request: Request, worker: WorkerState, plan: Plan) -> Prompt:
         """The plan's prompt as token ids (a 400 for one that cannot be made)."""
         source = plan.prompt
         if isinstance(source, DocumentStart):
             # The tokenizer's own start (its BOS), else what ends a document (an EOS) as a separator.
             return Prompt("", worker.tokenizer.encode_text("") or worker.hello.eos_token_ids[:1])
         if isinstance(source, str):
-            return Prompt(source, await self.tokenize(worker.tokenizer.encode_text, source, param="prompt"))
+            return Prompt(source, await self.tokenize(len(source), worker.tokenizer.encode_text, source,
+                                                      param="prompt"))
         if isinstance(source, list):
             vocab = worker.hello.vocab_size
             bad = next((t for t in source if not 0 <= t < vocab), None)
@@ -225,7 +235,9 @@ class Serving:
             raise APIError(400, "image inputs are not supported: the served model is text-only",
                            param=source.images[0].param, code="unsupported_content")
         decoded = await self.images.load(source.images) if source.images else None
-        return await self.tokenize(worker.tokenizer.chat_prompt, source.messages, plan.tools,
+        # Images are processed in a thread, however small the body that named them.
+        size = request.scope["state"]["body_bytes"] if decoded is None else math.inf
+        return await self.tokenize(size, worker.tokenizer.chat_prompt, source.messages, plan.tools,
                                    source.template_kwargs, decoded, param=plan.prompt_param)
 
     async def respond(self, request: Request, plan: Plan, renderer: Renderer) -> Response:
@@ -233,7 +245,7 @@ class Serving:
         lease, worker = await self.lease(plan.model, plan.keep_alive_s)
         streaming = False  # once a stream is open, its generate releases the lease when it ends
         try:
-            prompt = await self.prompt(worker, plan)
+            prompt = await self.prompt(request, worker, plan)
             group = self._group(worker, plan, prompt, renderer.id)
             deltas = self.generate(request, plan, group, renderer.id, worker, lease)
             if plan.stream:

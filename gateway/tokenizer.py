@@ -163,7 +163,7 @@ class Tokenizer:
         the image's tokens, and the arrays the vision model takes."""
         text = self.render_chat(messages, tools, template_kwargs)
         if not images:
-            return Prompt(text, self._tok.encode(text, add_special_tokens=False))
+            return Prompt(text, self.rust.encode(text, add_special_tokens=False).ids)
         assert self.processor is not None, "images reach only a vision model's tokenizer"
         try:
             out = self.processor(text=[text], images=images, return_tensors="np", add_special_tokens=False)
