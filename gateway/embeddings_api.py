@@ -16,7 +16,7 @@ from gateway.openai_schema import Embedding, EmbeddingList, EmbeddingRequest, Em
 from gateway.plan import keep_alive_seconds
 from gateway.pool import Unavailable
 from gateway.responses import MsgspecResponse
-from gateway.serving import Serving, unavailable
+from gateway.serving import Serving, tokenize, unavailable
 from gateway.worker_link import WorkerRejected, WorkerState, WorkerUnavailable
 
 
@@ -80,7 +80,7 @@ class EmbeddingsAPI:
     async def _tokens(self, worker: WorkerState, value: str | list[int]) -> list[int]:
         """One input's token ids, within the model's vocabulary and context (400s)."""
         if isinstance(value, str):
-            tokens = await self.serving.tokenize(len(value), worker.tokenizer.encode_text, value, param="input")
+            tokens = await tokenize(len(value), worker.tokenizer.encode_text, value, param="input")
         else:
             vocab = worker.hello.vocab_size
             if (bad := next((t for t in value if not 0 <= t < vocab), None)) is not None:

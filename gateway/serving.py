@@ -3,11 +3,12 @@
 An API turns its body into a `Plan` (gateway/plan.py) and hands it over with
 its `Renderer`, the dialect's hooks. `Serving.respond` then: checks the model
 name, takes a lease on the model from the pool (loading it if need be) and
-waits (bounded) for a ready worker, tokenizes off the event loop, checks the
-context, builds the samplings, and runs the request through `generate` — the
-async iterator that admits it, reserves its KV memory, submits it, yields its
-Deltas, and in its `finally` aborts whatever still runs in the worker and
-releases the lease — into SSE events or one body, through the Renderer.
+waits (bounded) for a ready worker, tokenizes (a long prompt in a thread),
+checks the context, builds the samplings, and runs the request through
+`generate` — the async iterator that admits it, reserves its KV memory,
+submits it, yields its Deltas, and in its `finally` aborts whatever still
+runs in the worker and releases the lease — into SSE events or one body,
+through the Renderer.
 """
 
 from __future__ import annotations
@@ -185,16 +186,6 @@ class Serving:
             raise
         return lease, worker
 
-    async def tokenize(self, size: float, fn: Callable[..., T], *args: Any, param: str = "messages") -> T:
-        """fn(*args), made from `size` bytes of the request: on the event loop
-        when small, in a thread when large; a PromptError is the client's 400."""
-        try:
-            if size <= INLINE_TOKENIZE_BYTES:
-                return fn(*args)
-            return await asyncio.to_thread(fn, *args)
-        except PromptError as e:
-            raise APIError(400, str(e), param=param) from None
-
     def max_tokens(self, prompt: list[int], requested: int | None, worker: WorkerState, prompt_param: str,
                    max_tokens_param: str = "max_tokens") -> int:
         """How many tokens the request may generate; 400 when it cannot fit."""
@@ -223,7 +214,7 @@ class Serving:
             # The tokenizer's own start (its BOS), else what ends a document (an EOS) as a separator.
             return Prompt("", worker.tokenizer.encode_text("") or worker.hello.eos_token_ids[:1])
         if isinstance(source, str):
-            return Prompt(source, await self.tokenize(len(source), worker.tokenizer.encode_text, source,
+            return Prompt(source, await tokenize(len(source), worker.tokenizer.encode_text, source,
                                                       param="prompt"))
         if isinstance(source, list):
             vocab = worker.hello.vocab_size
@@ -237,7 +228,7 @@ class Serving:
         decoded = await self.images.load(source.images) if source.images else None
         # Images are processed in a thread, however small the body that named them.
         size = request.scope["state"]["body_bytes"] if decoded is None else math.inf
-        return await self.tokenize(size, worker.tokenizer.chat_prompt, source.messages, plan.tools,
+        return await tokenize(size, worker.tokenizer.chat_prompt, source.messages, plan.tools,
                                    source.template_kwargs, decoded, param=plan.prompt_param)
 
     async def respond(self, request: Request, plan: Plan, renderer: Renderer) -> Response:
@@ -381,6 +372,17 @@ class Serving:
     def _log_completion(self, request_id: str, texts: list[str]) -> None:
         if self.settings.log_prompts:
             log.info("%s completion: %r", request_id, texts if len(texts) > 1 else texts[0])
+
+
+async def tokenize(size: float, fn: Callable[..., T], *args: Any, param: str = "messages") -> T:
+    """fn(*args), made from `size` bytes of the request: on the event loop
+    when small, in a thread when large; a PromptError is the client's 400."""
+    try:
+        if size <= INLINE_TOKENIZE_BYTES:
+            return fn(*args)
+        return await asyncio.to_thread(fn, *args)
+    except PromptError as e:
+        raise APIError(400, str(e), param=param) from None
 
 
 def forced_call_format(worker: WorkerState) -> str | None:

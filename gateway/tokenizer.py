@@ -2,9 +2,10 @@
 with a vision model, its processor too (image preprocessing runs here, never
 on the worker's main thread).
 
-Tokenizing a prompt and preprocessing images can take milliseconds: callers
-run them in a thread. Detokenizing a step's tokens takes microseconds, less
-than a hop to a thread and back, and runs on the event loop.
+Tokenizing a long prompt and preprocessing images can take milliseconds:
+callers run them in a thread (a short prompt, quicker than the hop to a
+thread and back, on the event loop: gateway/serving.py). Detokenizing a
+step's tokens takes microseconds and runs on the event loop.
 """
 
 from __future__ import annotations

@@ -1,0 +1,63 @@
+"""The gateway's end of the worker link over a real ZeroMQ socket pair."""
+
+import asyncio
+import threading
+import time
+
+import zmq
+
+from gateway.transport import Transport
+from protocol import Welcome
+
+
+def test_a_message_that_arrives_during_a_send_wakes_the_reader(tmp_path):
+    """ZeroMQ signals a message's arrival once, on the socket's descriptor,
+    and a send on the socket may take that signal first. The reader waiting
+    meanwhile must still wake: the transport looks again after each send."""
+    endpoint = f"ipc://{tmp_path}/link/w.sock"
+    worker_may_send, gateway_done = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        context = zmq.Context()
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.IDENTITY, b"worker")
+        socket.connect(endpoint)
+        socket.send(b"hello")
+        worker_may_send.wait(10)
+        socket.send(b"step")
+        gateway_done.wait(10)  # connected till then: a closing pipe would signal too
+        socket.close(linger=1000)
+        context.term()
+
+    async def gateway() -> bytes:
+        transport = Transport(endpoint)
+        transport.bind()
+        peer = threading.Thread(target=worker)
+        peer.start()
+        try:
+            assert await asyncio.wait_for(transport.receive(), 10) == (b"worker", b"hello")
+            reader = asyncio.create_task(transport.receive())
+            await asyncio.sleep(0.05)  # the reader waits on the descriptor
+            worker_may_send.set()
+            time.sleep(0.2)  # the message arrives while the loop is held here ...
+            assert transport.send(b"worker", Welcome(1))  # ... and this send sees its signal first
+            return (await asyncio.wait_for(reader, 5))[1]
+        finally:
+            worker_may_send.set()
+            gateway_done.set()
+            peer.join(10)
+            transport.close()
+
+    assert asyncio.run(gateway()) == b"step"
+
+
+def test_a_send_to_a_peer_that_never_connected_fails_without_blocking(tmp_path):
+    async def send() -> bool:
+        transport = Transport(f"ipc://{tmp_path}/link/w.sock")
+        transport.bind()
+        try:
+            return transport.send(b"nobody", Welcome(1))
+        finally:
+            transport.close()
+
+    assert asyncio.run(send()) is False
