@@ -63,8 +63,9 @@ def run_gateway(settings: GatewaySettings, worker_settings: Sequence[WorkerSetti
         port=settings.port,
         log_level=settings.log_level,
         access_log=False,
-        # The standard asyncio loop: pyzmq's asyncio sockets wake up later
-        # under uvloop (measured: half the throughput at 8 streams).
+        # The standard asyncio loop: under uvloop the gateway spent more CPU
+        # per streamed token (0.072 s per 1000 against 0.05-0.06) and served
+        # fewer tokens/s (tests/bench/cpu_share.py, 2026-11-25).
         loop="asyncio",
         # uvicorn's C parser: measured 3-13% less gateway CPU per streamed token than h11.
         http="httptools",
