@@ -1,6 +1,6 @@
 """Where the CPU goes: seconds of CPU per 1000 streamed tokens, by process.
 
-    python -m tests.bench.cpu_share [--model M] [--concurrency 8 32 64]
+    python -m tests.bench.cpu_share [--model M] [--concurrency 8 32 64] [--tokens 64]
 
 On a machine the load generator, the gateway and the worker share, every
 cycle one of them spends is a cycle the others lack. This drives `mlxd
@@ -8,6 +8,10 @@ serve` with the benchmarks' load generator (6 x concurrency requests of 64
 tokens, at least 48) and reads each process's user + system time from
 /proc (Linux): the gateway, its worker (the gateway's child) and this
 process (the load generator). Without --model: the tiny random test model.
+
+With several --tokens, each concurrency runs once per request length (the
+same number of tokens in all), which separates what the gateway spends per
+request from what it spends per token.
 """
 
 from __future__ import annotations
@@ -37,26 +41,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[64], help="tokens per request")
     args = parser.parse_args()
     model_dir = args.model
     if not model_dir:
         from tests.tiny_model import make_tiny_model
 
         model_dir = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
-    print("| concurrency | tok/s | gateway | worker | load generator | cores busy |")
-    print("|---|---|---|---|---|---|")
+    print("| concurrency | tokens per request | tok/s | gateway | worker | load generator | cores busy |")
+    print("|---|---|---|---|---|---|---|")
     with http_system("mlxd", model_dir, max(args.concurrency)) as server:
         gateway = server.pid
         (worker,) = children(gateway)
         for c in args.concurrency:
-            asyncio.run(load(server.url, server.model, c, c, 8, server.extra))
-            before = cpu_seconds(gateway), cpu_seconds(worker), time.process_time()
-            result = asyncio.run(load(server.url, server.model, c, max(6 * c, 48), 64, server.extra))
-            after = cpu_seconds(gateway), cpu_seconds(worker), time.process_time()
-            used = [b - a for a, b in zip(before, after)]
-            per_k = [u / (result.tokens / 1000) for u in used]
-            print(f"| {c} | {result.tok_s:.0f} | {per_k[0]:.3f} s | {per_k[1]:.3f} s | {per_k[2]:.3f} s | "
-                  f"{sum(used) / result.wall:.2f} |", flush=True)
+            for tokens in args.tokens:
+                asyncio.run(load(server.url, server.model, c, c, 8, server.extra))
+                before = cpu_seconds(gateway), cpu_seconds(worker), time.process_time()
+                requests = max(6 * c, 48) * 64 // tokens
+                result = asyncio.run(load(server.url, server.model, c, requests, tokens, server.extra))
+                after = cpu_seconds(gateway), cpu_seconds(worker), time.process_time()
+                used = [b - a for a, b in zip(before, after)]
+                per_k = [u / (result.tokens / 1000) for u in used]
+                print(f"| {c} | {tokens} | {result.tok_s:.0f} | {per_k[0]:.3f} s | {per_k[1]:.3f} s | "
+                      f"{per_k[2]:.3f} s | {sum(used) / result.wall:.2f} |", flush=True)
     print(f"CPU seconds per 1000 tokens; model: {args.model or 'tiny random test model'}; {os.cpu_count()} cores; "
           f"command: python -m tests.bench.cpu_share {' '.join(sys.argv[1:])}".rstrip())
 
