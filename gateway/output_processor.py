@@ -152,6 +152,7 @@ class OutputProcessor:
 
     def __init__(self) -> None:
         self._requests: dict[str, RequestState] = {}
+        self.tokens_generated = 0  # by every request delivered here, ever (the ops page's throughput)
 
     def add(self, state: RequestState) -> None:
         self._requests[state.request_id] = state
@@ -173,6 +174,7 @@ class OutputProcessor:
             state = self._requests.get(output.request_id)
             if state is None:
                 continue  # ended here already (aborted, failed): the worker had not heard yet
+            self.tokens_generated += len(output.token_ids)
             state.queue.put_nowait(state.render(output))
             if not state.running:
                 del self._requests[state.request_id]

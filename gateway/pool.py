@@ -239,6 +239,20 @@ class ModelPool:
         m.unload_requested = True
         return False
 
+    def pin(self, name: str, pinned: bool) -> None:
+        """Keep the model loaded however long it is idle (it still loads on
+        demand), or let it unload after its keep-alive again. ValueError when
+        pinning it would pin more models than may be loaded."""
+        m = self.find(name)
+        assert m is not None
+        if pinned and not m.pinned and sum(o.pinned for o in self.models.values()) >= self.max_loaded:
+            raise ValueError(f"pinning {name} would pin more models than --max-loaded-models ({self.max_loaded})")
+        m.pinned = pinned
+        if pinned:
+            m.idle_until = math.inf
+        elif m.users == 0:
+            m.idle_until = time.monotonic() + self.keep_alive_s
+
     # ---- what /ready, /health, /metrics and /v1/models show -----------------
 
     @property

@@ -140,9 +140,14 @@ class Guard:
             # reach an unauthenticated local server.
             return await _reject(scope, send, 403, "this Host is not allowed; add it with --allowed-host",
                                  "host_not_allowed")
+        path = scope["path"]
+        if path.startswith("/admin/") and scope["method"] not in ("GET", "HEAD") and cross_site(headers):
+            # A page elsewhere must not act through an operator's browser (a
+            # form posts without preflight, and without keys no key stops it).
+            return await _reject(scope, send, 403, "an /admin action must come from this server's own page or "
+                                 "from a client that is not a browser", "cross_site_request")
         presented = presented_key(headers)
         key_id = self.keys.identify(presented) if self.keys.enabled else None
-        path = scope["path"]
         if path == "/metrics" and (self.keys.enabled or self.metrics_keys.enabled):
             if key_id is None and self.metrics_keys.identify(presented) is None:
                 return await _reject(scope, send, 401, "/metrics needs an API key or a metrics key "
@@ -168,6 +173,16 @@ class Guard:
         else:
             name = name.rsplit(":", 1)[0]
         return name in self.allowed_hosts
+
+
+def cross_site(headers: dict[bytes, bytes]) -> bool:
+    """A browser's request from a page of another origin: browsers say so
+    (Sec-Fetch-Site), or name the page's origin, which then differs from the
+    Host the request was sent to. Clients that are not browsers send neither."""
+    if headers.get(b"sec-fetch-site", b"same-origin") not in (b"same-origin", b"none"):
+        return True
+    origin = headers.get(b"origin")
+    return origin is not None and origin.partition(b"://")[2] != headers.get(b"host", b"")
 
 
 async def _reject(scope, send, status: int, message: str, code: str) -> None:

@@ -56,6 +56,7 @@ class WorkerSupervisor:
         self.crash_loop = False
         self._exits: list[float] = []
         self._stopping = False
+        self._restart_requested = False
         self._task: asyncio.Task | None = None
         # Called with the reason when serving cannot start (the model does not load).
         self.on_fatal: Callable[[str], None] | None = None
@@ -100,6 +101,10 @@ class WorkerSupervisor:
             now = time.monotonic()
             self.restarts += 1
             self.last_exit_status = status
+            if self._restart_requested:
+                self._restart_requested = False
+                backoff = INITIAL_BACKOFF_S
+                continue
             if now - started >= STABLE_AFTER_S:
                 backoff = INITIAL_BACKOFF_S
             self._exits = [t for t in self._exits if now - t < CRASH_LOOP_WINDOW_S] + [now]
@@ -129,6 +134,17 @@ class WorkerSupervisor:
         self.last_exit_status = EXIT_LOAD_FAILED
         if self.on_fatal is not None:
             self.on_fatal(f"cannot load the model: {reason}")
+
+    def restart(self) -> bool:
+        """An operator's restart: the worker drains (its unfinished requests
+        move to the next one) and is started again at once, not counted
+        towards a crash loop. False if no worker process runs."""
+        if self.process is None or self.process.returncode is not None or self._stopping:
+            return False
+        log.info("restarting worker pid %d on an admin request", self.process.pid)
+        self._restart_requested = True
+        self.process.send_signal(signal.SIGTERM)
+        return True
 
     def stop_restarting(self) -> None:
         """The gateway is stopping: a worker that exits now stays down."""

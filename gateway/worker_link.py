@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +76,8 @@ WATCHDOG_INTERVAL_S = 0.1
 # more requests than the least loaded one: a cached prefix saves one prefill,
 # while a longer queue slows every step of the request.
 AFFINITY_SLACK = 4
+# The workers' latest comings and goings kept for the ops page.
+EVENTS_KEPT = 50
 
 
 class WorkerUnavailable(Exception):
@@ -104,6 +106,17 @@ class WorkerState:
     memory: MemoryStats | None = None  # MLX's allocator, from its heartbeats
     ready: bool = True  # its liveness says so: requests may go to it
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # the prompts sent to it
+
+
+@dataclass
+class WorkerEvent:
+    """A change in a worker's life, as the ops page lists it."""
+
+    at: float  # time.time()
+    pid: int
+    model: str
+    event: str  # "ready", a liveness change ("unresponsive", "hung", "draining", "ready again"), "lost", "load failed"
+    detail: str = ""
 
 
 @dataclass
@@ -141,6 +154,7 @@ class WorkerLink:
         # Every model's last failure to load, by its --model value (a supervisor's own look-up).
         self.load_failures: dict[str, LoadFailed] = {}
         self.stats = LinkStats()
+        self.events: deque[WorkerEvent] = deque(maxlen=EVENTS_KEPT)  # the latest, oldest first
         self.outputs = OutputProcessor()  # every unfinished request
         self._resume_by: dict[str, float] = {}  # request id -> deadline to get a worker
         # Embed requests sent, by id -> (the worker's identity, the future of its answer).
@@ -320,6 +334,7 @@ class WorkerLink:
                 continue
             if isinstance(message, LoadFailed):
                 log.error("worker pid %d cannot load its model %r: %s", message.pid, message.model, message.reason)
+                self._event(message.pid, message.model, "load failed", message.reason)
                 self.load_failure = self.load_failures[message.model] = message
                 self.notify()
                 continue
@@ -403,6 +418,7 @@ class WorkerLink:
             "worker ready: pid %d, epoch %d, model %s, context %d, capacity %d",
             hello.pid, hello.epoch, hello.model, hello.context_length, hello.capacity,
         )
+        self._event(hello.pid, hello.model, "ready", f"epoch {hello.epoch}")
         self._resume_waiting()
 
     def _resume_waiting(self) -> None:
@@ -440,6 +456,7 @@ class WorkerLink:
         if verdict.changed:
             level = logging.WARNING if verdict.state in UNHEALTHY else logging.INFO
             log.log(level, "worker pid %d: %s -> %s", w.hello.pid, verdict.previous.value, verdict.state.value)
+            self._event(w.hello.pid, w.hello.model, verdict.state.value, f"was {verdict.previous.value}")
         was_ready, w.ready = w.ready, verdict.state == Liveness.READY
         if w.ready != was_ready:
             self._update_ready()
@@ -494,6 +511,7 @@ class WorkerLink:
         if self.workers.pop(w.identity, None) is None:
             return
         log.warning("worker pid %d lost: %s", w.hello.pid, why)
+        self._event(w.hello.pid, w.hello.model, "lost", why)
         self._update_ready()
         self.stats.workers_lost += 1
         for identity, answer in self._embeds.values():
@@ -512,6 +530,9 @@ class WorkerLink:
             else:
                 self._resume_by[request_id] = deadline
         self._resume_waiting()
+
+    def _event(self, pid: int, model: str, event: str, detail: str) -> None:
+        self.events.append(WorkerEvent(time.time(), pid, model, event, detail))
 
     def _fail_after_loss(self, request_id: str, why: str) -> None:
         """End a request that a lost worker left without a way on (a 503, counted)."""
