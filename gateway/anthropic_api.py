@@ -49,7 +49,7 @@ from gateway.plan import (
     template_tool_call,
     tool_definitions,
 )
-from gateway.responses import MsgspecResponse, sse_event
+from gateway.responses import SSE, MsgspecResponse, sse_event
 from gateway.serving import Choice, Serving
 
 
@@ -172,6 +172,8 @@ def tool_use(call: ToolCall) -> ToolUseOut:
 
 class MessageOutput:
     """One message's renderer (serving.Renderer): Anthropic's event sequence, or the message whole."""
+
+    media_type = SSE
 
     def __init__(self, model: str, shows_thinking: bool = True) -> None:
         self.id = f"msg_{uuid.uuid4().hex}"

@@ -24,6 +24,7 @@ from gateway.errors import APIError, api_error_handler, http_error_handler, inte
 from gateway.health import worker_status, workers_status
 from gateway.ledger import default_memory_budget
 from gateway.metrics import RequestCounter
+from gateway.ollama_api import OllamaAPI
 from gateway.openai_api import OpenAIAPI
 from gateway.openai_responses import ResponsesAPI, ResponseStore
 from gateway.ops import LogTail, OpsAPI
@@ -94,6 +95,7 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
     log_tail = LogTail()
     ops = OpsAPI(serving, supervisors, log_tail)
     embeddings = EmbeddingsAPI(serving)
+    ollama = OllamaAPI(serving, embeddings)
     responses = ResponsesAPI(serving, ResponseStore(settings.responses_store_max, settings.responses_store_ttl_s))
 
     async def health(request: Request) -> Response:
@@ -186,6 +188,14 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
             Route("/v1/messages", anthropic.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
             Route("/v1/requests/{request_id}/cancel", cancel, methods=["POST"]),
+            Route("/api/version", ollama.version, methods=["GET"]),
+            Route("/api/tags", ollama.tags, methods=["GET"]),
+            Route("/api/ps", ollama.ps, methods=["GET"]),
+            Route("/api/show", ollama.show, methods=["POST"]),
+            Route("/api/chat", ollama.chat, methods=["POST"]),
+            Route("/api/generate", ollama.generate, methods=["POST"]),
+            Route("/api/embed", ollama.embed, methods=["POST"]),
+            Route("/api/embeddings", ollama.embeddings_v1, methods=["POST"]),
             Route("/admin/models/{model:path}/load", admin.load, methods=["POST"]),
             Route("/admin/models/{model:path}/unload", admin.unload, methods=["POST"]),
             Route("/admin/models/{model:path}/pin", ops.pin, methods=["POST"]),

@@ -39,12 +39,22 @@ class EmbeddingsAPI:
         self.serving = serving
 
     async def create(self, request: Request) -> Response:
+        body = decode_body(await self.serving.read_body(request), EmbeddingRequest)
+        vectors, tokens = await self.vectors(request, body.model, body.keep_alive, inputs_of(body.input),
+                                             body.dimensions)
+        data = [Embedding(index, base64.b64encode(vector.tobytes()).decode()
+                          if body.encoding_format == "base64" else vector.tolist())
+                for index, vector in enumerate(vectors)]
+        return MsgspecResponse(EmbeddingList(data, body.model, EmbeddingUsage(tokens, tokens)))
+
+    async def vectors(self, request: Request, model: str, keep_alive: str | float | None,
+                      inputs: list[str | list[int]], dimensions: int | None) -> tuple[list[array], int]:
+        """One vector per input (shortened to `dimensions` when asked), and the tokens they took.
+        Every API's embeddings are made here (OpenAI's, Ollama's)."""
         serving = self.serving
-        body = decode_body(await serving.read_body(request), EmbeddingRequest)
-        inputs = inputs_of(body.input)
         if any(len(i) == 0 for i in inputs):
             raise APIError(400, "an input is empty", param="input")
-        lease, worker = await serving.lease(body.model, keep_alive_seconds(body.keep_alive))
+        lease, worker = await serving.lease(model, keep_alive_seconds(keep_alive))
         release = None
         try:
             token_lists = [await self._tokens(worker, i) for i in inputs]
@@ -62,20 +72,15 @@ class EmbeddingsAPI:
             if release is not None:
                 release()
             lease.release()
-        vectors = array("f", result.vectors)
+        flat = array("f", result.vectors)
         width = result.dimensions
-        if body.dimensions is not None and body.dimensions > width:
-            raise APIError(400, f"dimensions is {body.dimensions}; this model's embeddings have {width}",
+        if dimensions is not None and dimensions > width:
+            raise APIError(400, f"dimensions is {dimensions}; this model's embeddings have {width}",
                            param="dimensions")
-        data = []
-        for index in range(len(token_lists)):
-            vector = vectors[index * width:(index + 1) * width]
-            if body.dimensions is not None and body.dimensions < width:
-                vector = shortened(vector, body.dimensions)
-            data.append(Embedding(index, base64.b64encode(vector.tobytes()).decode()
-                                  if body.encoding_format == "base64" else vector.tolist()))
-        tokens = sum(len(t) for t in token_lists)
-        return MsgspecResponse(EmbeddingList(data, body.model, EmbeddingUsage(tokens, tokens)))
+        vectors = [flat[index * width:(index + 1) * width] for index in range(len(token_lists))]
+        if dimensions is not None and dimensions < width:
+            vectors = [shortened(vector, dimensions) for vector in vectors]
+        return vectors, sum(len(t) for t in token_lists)
 
     async def _tokens(self, worker: WorkerState, value: str | list[int]) -> list[int]:
         """One input's token ids, within the model's vocabulary and context (400s)."""

@@ -1,6 +1,6 @@
 """How a request's failure reaches its client: APIError, and its body in the
 dialect of the API asked (OpenAI's {"error": {...}}, Anthropic's {"type":
-"error", ...}), including a body that does not decode (decode_body: a 400
+"error", ...}, Ollama's {"error": "..."}), including a body that does not decode (decode_body: a 400
 naming the field)."""
 
 from __future__ import annotations
@@ -68,9 +68,18 @@ def is_anthropic(path: str) -> bool:
     return path.startswith("/v1/messages")
 
 
+def is_ollama(path: str) -> bool:
+    return path.startswith("/api/")
+
+
 def error_payload(path: str, status: int, message: str, type: str, param=None, code=None) -> bytes:
-    """The error body in the dialect of the API that `path` belongs to."""
-    body = anthropic_error_body(status, message) if is_anthropic(path) else error_body(message, type, param, code)
+    """The error body in the dialect of the API that `path` belongs to (Ollama's is {"error": message})."""
+    if is_anthropic(path):
+        body = anthropic_error_body(status, message)
+    elif is_ollama(path):
+        body = {"error": message}
+    else:
+        body = error_body(message, type, param, code)
     return msgspec.json.encode(body)
 
 

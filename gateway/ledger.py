@@ -39,18 +39,25 @@ def weights_on_disk(source: str) -> int:
     """The size of a model's weight files, as the estimate of its weights until
     a worker has loaded them: a directory's or a .gguf file's, or a Hugging Face
     repo's in the local hub cache; 0 when they cannot be found from here."""
+    path = local_model(source)
+    if path is None:
+        return 0
+    return path.stat().st_size if path.is_file() else _weight_files_size(path)
+
+
+def local_model(source: str) -> Path | None:
+    """Where a model's files are on this machine: the directory or .gguf file
+    named, or a Hugging Face repo's newest snapshot in the local hub cache."""
     path = Path(source).expanduser() if source else None
-    if path is not None and path.is_file():
-        return path.stat().st_size
-    if path is not None and path.is_dir():
-        return _weight_files_size(path)
+    if path is not None and path.exists():
+        return path
     if source.count("/") == 1 and not source.startswith((".", "/")):
         hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME") or
                                                            Path.home() / ".cache" / "huggingface") / "hub")
         snapshots = hub / f"models--{source.replace('/', '--')}" / "snapshots"
         if snapshots.is_dir():
-            return max((_weight_files_size(s) for s in snapshots.iterdir()), default=0)
-    return 0
+            return max(snapshots.iterdir(), key=lambda s: s.stat().st_mtime, default=None)
+    return None
 
 
 def _weight_files_size(directory: Path) -> int:

@@ -122,4 +122,5 @@ class RequestCounter:
         try:
             await self.app(scope, receive, recording_send)
         finally:
-            self.metrics.requests[(scope["path"] if scope["path"].startswith("/v1/") else "other", status)] += 1
+            endpoint = scope["path"] if scope["path"].startswith(("/v1/", "/api/")) else "other"
+            self.metrics.requests[(endpoint, status)] += 1

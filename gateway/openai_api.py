@@ -61,7 +61,7 @@ from gateway.plan import (
     template_tool_call,
     tool_definitions,
 )
-from gateway.responses import MsgspecResponse, sse_event
+from gateway.responses import SSE, MsgspecResponse, sse_event
 from gateway.serving import Choice, Serving
 
 DONE = b"data: [DONE]\n\n"
@@ -157,8 +157,10 @@ class OpenAIAPI:
         """`name` as a client asked for it, served by the model `served`."""
         pool = self.serving.pool
         charge = pool.charge(served)
+        facts = self.serving.model_facts(served)
         return Model(id=name, created=self.serving.started, status=pool.status(served),
-                     memory=ModelMemory(**charge.as_dict()) if charge else None)
+                     memory=ModelMemory(**charge.as_dict()) if charge else None, size=facts.size or None,
+                     quantization=facts.quantization or None, context_length=facts.context_length)
 
     async def chat_completions(self, request: Request) -> Response:
         body = decode_body(await self.serving.read_body(request), ChatCompletionRequest)
@@ -187,6 +189,7 @@ class _Output(abc.ABC):
     """One request's renderer (serving.Renderer): its SSE chunks and body; one subclass per endpoint."""
 
     prefix = ""
+    media_type = SSE
 
     def __init__(self, model: str, include_usage: bool) -> None:
         self.id = f"{self.prefix}{uuid.uuid4().hex}"

@@ -62,7 +62,7 @@ from gateway.plan import (
     template_tool_call,
     tool_definitions,
 )
-from gateway.responses import MsgspecResponse, sse_event
+from gateway.responses import SSE, MsgspecResponse, sse_event
 from gateway.serving import Choice, Serving
 
 
@@ -236,6 +236,8 @@ class ResponsesAPI:
 
 class ResponseOutput:
     """One response's renderer (serving.Renderer): the typed event sequence, or the response whole."""
+
+    media_type = SSE
 
     def __init__(self, body: CreateResponse, tools: list[dict],
                  keep: Callable[[ResponseObject, list[dict]], None]) -> None:

@@ -313,6 +313,10 @@ class Model(msgspec.Struct):
     # mlxd's: "loaded" (a worker serving it is ready), "loading" or "unloaded" (it loads on its first request).
     status: str = "loaded"
     memory: ModelMemory | None = None  # mlxd's, for a model `mlxd serve` runs, while it runs
+    # mlxd's, where known (gateway/model_facts.py): its weights' bytes, "Q4" / "BF16" / ..., its context.
+    size: int | None = None
+    quantization: str | None = None
+    context_length: int | None = None
 
 
 class ModelList(msgspec.Struct):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -87,6 +88,7 @@ class RequestState:
         self.worker_losses = 0
         self.worker: bytes | None = None  # the identity of the worker running it (gateway/worker_link.py)
         self.cached_tokens = 0  # prompt tokens the worker took from its prefix cache
+        self.first_token_at: float | None = None  # time.monotonic() of its first token (Ollama's durations)
         # The weights it runs on (Hello.model_digest): it resumes only on the same.
         self.model_digest = ""
         self.model_names: list[str] = []  # the names its worker serves (for resuming on the same model)
@@ -104,8 +106,10 @@ class RequestState:
     def render(self, output: RequestOutput) -> Delta:
         """The text this step adds; the final Delta sets the status."""
         token_ids = output.token_ids
-        if output.cached_tokens is not None and not self.generated:
-            self.cached_tokens = output.cached_tokens
+        if not self.generated:
+            self.first_token_at = time.monotonic()
+            if output.cached_tokens is not None:
+                self.cached_tokens = output.cached_tokens
         self.generated += token_ids
         if output.finish_reason == "stop":
             token_ids = token_ids[:-1]
@@ -227,6 +231,10 @@ class RequestGroup:
     @property
     def cached_tokens(self) -> int:
         return self.states[0].cached_tokens
+
+    @property
+    def first_token_at(self) -> float | None:
+        return min((s.first_token_at for s in self.states if s.first_token_at is not None), default=None)
 
     def end(self, message: str, status: int) -> None:
         """Make the reader's next Delta an error that ends the group (cancel,

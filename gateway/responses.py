@@ -11,6 +11,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 _encoder = msgspec.json.Encoder()
+SSE = "text/event-stream"
+NDJSON = "application/x-ndjson"
 
 # JSON lets these stand unescaped inside a string, but many line readers
 # (httpx's iter_lines, Python's str.splitlines) end a line at them, cutting an
@@ -38,7 +40,7 @@ class MsgspecResponse(JSONResponse):
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events, and the generation they come from closed however the
+    """Server-sent events (or NDJSON lines), and the generation they come from closed however the
     response ends: even when the client leaves before the first event, when
     the events were never iterated and so could not close it themselves.
 
@@ -47,9 +49,10 @@ class EventStream(StreamingResponse):
     request's CPU in the gateway; one asyncio task does the same here.
     """
 
-    def __init__(self, events: AsyncIterable[bytes], source: AsyncGenerator[Any]) -> None:
+    def __init__(self, events: AsyncIterable[bytes], source: AsyncGenerator[Any], media_type: str = SSE) -> None:
+        """media_type: SSE, or NDJSON for Ollama's streams (one JSON object a line)."""
         super().__init__(
-            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            events, media_type=media_type, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         self._source = source
 

@@ -156,7 +156,7 @@ class Guard:
             if self.admin_keys.identify(presented) is None:
                 return await _reject(scope, send, 401, "/admin needs an admin key (Authorization: Bearer KEY)",
                                      "invalid_api_key")
-        elif self.keys.enabled and key_id is None and path.startswith(("/v1/", "/admin/")):
+        elif self.keys.enabled and key_id is None and path.startswith(("/v1/", "/api/", "/admin/")):
             return await _reject(
                 scope, send, 401, "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)",
                 "invalid_api_key",

@@ -31,6 +31,7 @@ from gateway.admission import Admission
 from gateway.errors import APIError, openai_error_type
 from gateway.images import ImageLoader
 from gateway.metrics import Metrics
+from gateway.model_facts import ModelFacts, model_facts
 from gateway.output_processor import Delta, RequestGroup, RequestState, TokenInfo
 from gateway.parsing import ToolCall, stream_parsers
 from gateway.plan import ChatInput, DocumentStart, Plan
@@ -40,6 +41,7 @@ from gateway.settings import GatewaySettings
 from gateway.structured import FAMILY_OF_PARSER
 from gateway.tokenizer import Prompt, PromptError
 from gateway.worker_link import WorkerLink, WorkerState, WorkerUnavailable
+from protocol.worker_settings import model_source
 
 log = logging.getLogger("mlxd.gateway.api")
 T = TypeVar("T")
@@ -47,6 +49,8 @@ T = TypeVar("T")
 # and back costs about what tokenizing a thousand characters does, while a long
 # agent context would hold the loop (and every stream) for milliseconds.
 INLINE_TOKENIZE_BYTES = 4096
+# The tag Ollama's clients add to a name that has none.
+OLLAMA_DEFAULT_TAG = ":latest"
 
 
 def unavailable(message: str, code: str = "worker_unavailable") -> APIError:
@@ -69,17 +73,18 @@ class Renderer(Protocol):
     """A dialect's hooks: how its API writes one request's output."""
 
     id: str  # the request's id, as its client sees it
+    media_type: str  # of its stream: responses.SSE, or responses.NDJSON
 
     def opening(self, group: RequestGroup) -> list[bytes]:
-        """The SSE events before any Delta."""
+        """The events before any Delta."""
         ...
 
     def delta(self, delta: Delta) -> list[bytes]:
-        """The SSE events for one Delta (the first of each choice has no text: it opens the choice)."""
+        """The events for one Delta (the first of each choice has no text: it opens the choice)."""
         ...
 
     def ending(self, group: RequestGroup, error: APIError | None) -> list[bytes]:
-        """The last SSE events: after every choice finished, or after an error."""
+        """The last events: after every choice finished, or after an error."""
         ...
 
     def body(self, choices: list[Choice], group: RequestGroup) -> Any:
@@ -136,12 +141,25 @@ class Serving:
         names = [*self.pool.models, *(n for w in self.link.workers.values() for n in w.names)]
         return list(dict.fromkeys(names))
 
+    def model_facts(self, name: str) -> ModelFacts:
+        """What listings say of the served model `name`: what its files say, with what its worker measured."""
+        pooled = self.pool.find(name)
+        facts = model_facts(model_source(pooled.supervisor.settings)) if pooled is not None else ModelFacts()
+        worker = next((w for w in self.link.workers.values() if name in w.names), None)
+        if worker is not None:
+            facts.context_length = worker.hello.context_length
+            facts.size = worker.hello.weights_bytes or facts.size
+        return facts
+
     def served_name(self, model: str, names: list[str]) -> str:
-        """The served name a request for `model` reaches: `model` itself, or the
-        name the first --model-alias pattern it matches gives; 404 if that is
-        not one of `names`."""
+        """The served name a request for `model` reaches: `model` itself (an
+        Ollama client's `NAME:latest` is NAME), or the name the first
+        --model-alias pattern it matches gives; 404 if that is not one of
+        `names`."""
         if model in names:
             return model
+        if model.endswith(OLLAMA_DEFAULT_TAG) and model.removesuffix(OLLAMA_DEFAULT_TAG) in names:
+            return model.removesuffix(OLLAMA_DEFAULT_TAG)
         for alias in self.settings.model_alias:
             pattern, _, name = alias.partition("=")
             if fnmatch.fnmatchcase(model, pattern):
@@ -243,7 +261,7 @@ class Serving:
                 # Admitted, reserved and submitted before any 200: a refusal is still a 4xx/5xx.
                 opening = await anext(deltas)
                 streaming = True
-                return EventStream(self._events(renderer, group, opening, deltas), deltas)
+                return EventStream(self._events(renderer, group, opening, deltas), deltas, renderer.media_type)
             try:
                 choices = await collect(request, deltas, len(group.states))
             except TimeoutError:

@@ -132,6 +132,12 @@ class Tokenizer:
         return {token.content: token_id for token_id, token in self.rust.get_added_tokens_decoder().items()}
 
     @property
+    def chat_template(self) -> str:
+        """The model's chat template ("" without one); Ollama's /api/show shows it."""
+        template = self._tok.chat_template
+        return template if isinstance(template, str) else ""
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(self._tok.chat_template)
 

@@ -1,0 +1,324 @@
+"""Ollama's API (/api/*) on the same gateway: the same pool, keys, limits and
+generation as the OpenAI and Anthropic APIs, in Ollama's shapes.
+
+/api/chat and /api/generate become a Plan, as the other dialects' bodies do,
+and stream NDJSON (a JSON object a line; streaming is Ollama's default)
+through the shared Serving. /api/embed and /api/embeddings use the
+embeddings of /v1/embeddings. /api/tags, /api/ps and /api/show describe the
+served models; a name Ollama's clients write as `NAME:latest` reaches NAME.
+Errors are Ollama's {"error": "..."} (gateway/errors.py).
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import math
+import time
+import uuid
+from datetime import datetime, timezone
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.embeddings_api import EmbeddingsAPI
+from gateway.errors import APIError, decode_body
+from gateway.images import ImageSource
+from gateway.ollama_schema import (
+    ChatChunk,
+    ChatRequest,
+    Details,
+    Embed,
+    EmbeddingsRequest,
+    EmbedRequest,
+    GenerateChunk,
+    GenerateRequest,
+    Message,
+    ModelEntry,
+    Options,
+    OutMessage,
+    ShowRequest,
+    ToolCall,
+    ToolCallFunction,
+)
+from gateway.output_processor import Delta, RequestGroup
+from gateway.parsing import ToolCall as ParsedCall
+from gateway.parsing import arguments_object
+from gateway.plan import (
+    ChatInput,
+    Plan,
+    SamplingParams,
+    keep_alive_seconds,
+    nonempty_stops,
+    reasoning_switches,
+    template_message,
+    template_tool_call,
+    tool_definitions,
+)
+from gateway.responses import NDJSON, MsgspecResponse
+from gateway.serving import OLLAMA_DEFAULT_TAG, Choice, Serving
+
+# The Ollama release whose API this follows: clients check it before using newer features.
+OLLAMA_VERSION = "0.12.0"
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def timestamp(at: float | None = None) -> str:
+    """RFC 3339 in UTC, as Ollama writes its times."""
+    moment = datetime.now(timezone.utc) if at is None else datetime.fromtimestamp(at, timezone.utc)
+    return moment.isoformat().replace("+00:00", "Z")
+
+
+def nanoseconds(seconds: float) -> int:
+    return max(0, int(seconds * 1e9))
+
+
+def tagged(name: str) -> str:
+    """A served name as Ollama's clients list it: with a tag."""
+    return name if ":" in name.rsplit("/", 1)[-1] else name + OLLAMA_DEFAULT_TAG
+
+
+def sampling(options: Options | None) -> tuple[SamplingParams, list[str], int | None]:
+    """The sampling, stop strings and token limit `options` ask for (the others it may hold are ignored)."""
+    o = options or Options()
+    if o.num_predict == 0:
+        raise APIError(400, "options.num_predict must be positive, -1 (no limit) or -2 (fill the context)",
+                       param="options.num_predict")
+    params = SamplingParams(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p,
+                            repetition_penalty=o.repeat_penalty, presence_penalty=o.presence_penalty or 0.0,
+                            frequency_penalty=o.frequency_penalty or 0.0, seed=o.seed)
+    max_tokens = o.num_predict if o.num_predict is not None and o.num_predict > 0 else None
+    return params, nonempty_stops(o.stop or [], "options.stop"), max_tokens
+
+
+def output_format(value: str | dict | None) -> tuple[bool, dict | None]:
+    """`format`: nothing, "json", or a JSON schema -> (JSON output?, its schema)."""
+    if value is None or value == "":
+        return False, None
+    if value == "json":
+        return True, None
+    if isinstance(value, dict):
+        return True, value
+    raise APIError(400, 'format must be "json" or a JSON schema', param="format")
+
+
+def thinking(think: bool | str | None) -> dict | None:
+    """`think`: on or off, or an effort ("low", "medium", "high") -> the chat template's switches."""
+    if think is None or isinstance(think, bool):
+        return reasoning_switches(None, think)
+    if think in ("low", "medium", "high"):
+        return reasoning_switches(think)
+    raise APIError(400, 'think must be true, false, "low", "medium" or "high"', param="think")
+
+
+def chat_input(messages: list[Message], think: bool | str | None, param: str = "messages") -> ChatInput:
+    """The messages as chat templates take them, and their images in order."""
+    out, images = [], []
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise APIError(400, f"{param}[{i}].role must be one of {', '.join(ROLES)}", param=f"{param}[{i}].role")
+        content: str | list[dict] = m.content
+        if m.images:
+            images += [ImageSource(f"{param}[{i}].images[{j}]", data=image) for j, image in enumerate(m.images)]
+            content = [{"type": "image"} for _ in m.images] + [{"type": "text", "text": m.content}]
+        calls = [template_tool_call(f"call_{i}_{k}", c.function.name, c.function.arguments)
+                 for k, c in enumerate(m.tool_calls or [])]
+        extra = {"name": m.tool_name} if m.tool_name else {}
+        if m.thinking:
+            extra["reasoning_content"] = m.thinking
+        out.append(template_message(m.role, content, calls, **extra))
+    return ChatInput(out, images, thinking(think))
+
+
+def plan(model: str, prompt: ChatInput | str, options: Options | None, fmt: str | dict | None,
+         tools: list[dict] | None, stream: bool, keep_alive: str | float | None, param: str) -> Plan:
+    params, stops, max_tokens = sampling(options)
+    json_output, schema = output_format(fmt)
+    return Plan(model=model, prompt=prompt, sampling=params, stops=stops, stream=stream, max_tokens=max_tokens,
+                max_tokens_param="options.num_predict", tools=tool_definitions(tools or [], "auto"),
+                json_output=json_output, json_schema=schema, messages_param=param,
+                keep_alive_s=keep_alive_seconds(keep_alive))
+
+
+def calls_of(calls: list[ParsedCall]) -> list[ToolCall] | None:
+    """Tool calls as Ollama writes them: arguments as an object."""
+    return [ToolCall(ToolCallFunction(c.name, arguments_object(c.arguments) or {})) for c in calls] or None
+
+
+def line(chunk: msgspec.Struct | dict) -> bytes:
+    return msgspec.json.encode(chunk) + b"\n"
+
+
+class _Output(abc.ABC):
+    """One request's renderer (serving.Renderer): NDJSON lines, the last with
+    `done`, its reason and its counts and durations; or that last object whole."""
+
+    media_type = NDJSON
+
+    def __init__(self, model: str, arrived: float) -> None:
+        self.id = f"ollama-{uuid.uuid4().hex}"
+        self.model = model
+        self._arrived = arrived
+        self._length = False  # ended by its token limit
+
+    def opening(self, group: RequestGroup) -> list[bytes]:
+        return []
+
+    def delta(self, delta: Delta) -> list[bytes]:
+        self._length |= delta.finish_reason == "length"
+        if not (delta.text or delta.reasoning or delta.tool_calls):
+            return []
+        return [line(self.piece(delta.text, delta.reasoning, calls_of(delta.tool_calls), False))]
+
+    def ending(self, group: RequestGroup, error: APIError | None) -> list[bytes]:
+        if error is not None:
+            return [line({"error": error.message})]
+        return [line(self.last("", "", None, group))]
+
+    def body(self, choices: list[Choice], group: RequestGroup) -> msgspec.Struct:
+        choice = choices[0]
+        self._length = choice.finish_reason == "length"
+        return self.last(choice.text, choice.reasoning, calls_of(choice.tool_calls), group)
+
+    def last(self, text: str, reasoning: str, calls: list[ToolCall] | None, group: RequestGroup) -> msgspec.Struct:
+        now = time.monotonic()
+        first = group.first_token_at or now
+        return msgspec.structs.replace(
+            self.piece(text, reasoning, calls, True), done_reason="length" if self._length else "stop",
+            total_duration=nanoseconds(now - self._arrived), load_duration=0,
+            prompt_eval_count=group.prompt_tokens, prompt_eval_duration=nanoseconds(first - self._arrived),
+            eval_count=group.completion_tokens, eval_duration=nanoseconds(now - first))
+
+    @abc.abstractmethod
+    def piece(self, text: str, reasoning: str, calls: list[ToolCall] | None, done: bool) -> msgspec.Struct: ...
+
+
+class ChatOutput(_Output):
+    def piece(self, text: str, reasoning: str, calls: list[ToolCall] | None, done: bool) -> ChatChunk:
+        return ChatChunk(model=self.model, created_at=timestamp(), done=done,
+                         message=OutMessage("assistant", text, reasoning or None, calls))
+
+
+class GenerateOutput(_Output):
+    def piece(self, text: str, reasoning: str, calls: list[ToolCall] | None, done: bool) -> GenerateChunk:
+        return GenerateChunk(model=self.model, created_at=timestamp(), done=done, response=text,
+                             thinking=reasoning or None)
+
+
+class OllamaAPI:
+    def __init__(self, serving: Serving, embeddings: EmbeddingsAPI) -> None:
+        self.serving = serving
+        self.embeddings = embeddings
+
+    async def version(self, _request: Request) -> Response:
+        return MsgspecResponse({"version": OLLAMA_VERSION})
+
+    async def chat(self, request: Request) -> Response:
+        body = decode_body(await self.serving.read_body(request), ChatRequest)
+        if not body.messages:
+            return await self._load_or_unload(body.model, body.keep_alive, ChatOutput(body.model, 0.0))
+        renderer = ChatOutput(body.model, request.scope["state"]["arrived"])
+        return await self.serving.respond(request, plan(body.model, chat_input(body.messages, body.think),
+                                                        body.options, body.format, body.tools, body.stream,
+                                                        body.keep_alive, "messages"), renderer)
+
+    async def generate(self, request: Request) -> Response:
+        body = decode_body(await self.serving.read_body(request), GenerateRequest)
+        for name, value, why in (("suffix", body.suffix, "fill-in-the-middle is not supported"),
+                                 ("template", body.template, "mlxd renders the model's own chat template; "
+                                  "send raw: true with a prompt of your own"),
+                                 ("context", body.context, "it is deprecated in Ollama; send the conversation "
+                                  "to /api/chat")):
+            if value:
+                raise APIError(400, f"{name}: {why}", param=name)
+        if not body.prompt and not body.images:
+            return await self._load_or_unload(body.model, body.keep_alive, GenerateOutput(body.model, 0.0))
+        prompt: ChatInput | str
+        if body.raw:
+            if body.images:
+                raise APIError(400, "images need the chat template: send them without raw", param="images")
+            prompt = body.prompt
+        else:
+            messages = [Message("system", body.system)] if body.system else []
+            prompt = chat_input([*messages, Message("user", body.prompt, body.images)], body.think, "prompt")
+        renderer = GenerateOutput(body.model, request.scope["state"]["arrived"])
+        return await self.serving.respond(request, plan(body.model, prompt, body.options, body.format, None,
+                                                        body.stream, body.keep_alive, "prompt"), renderer)
+
+    async def _load_or_unload(self, model: str, keep_alive: str | float | None, output: _Output) -> Response:
+        """Ollama's way to load a model (an empty prompt) or, with keep_alive 0, to unload it."""
+        serving = self.serving
+        if keep_alive_seconds(keep_alive) == 0:
+            name = serving.served_name(model, serving.model_names())
+            if serving.pool.find(name) is not None:
+                await serving.pool.unload(name)
+            reason = "unload"
+        else:
+            lease, _ = await serving.lease(model, keep_alive_seconds(keep_alive))
+            lease.release()
+            reason = "load"
+        return MsgspecResponse(msgspec.structs.replace(output.piece("", "", None, True), done_reason=reason))
+
+    async def embed(self, request: Request) -> Response:
+        body = decode_body(await self.serving.read_body(request), EmbedRequest)
+        started = time.monotonic()
+        inputs: list[str | list[int]] = [body.input] if isinstance(body.input, str) else list(body.input)
+        vectors, tokens = await self.embeddings.vectors(request, body.model, body.keep_alive, inputs,
+                                                        body.dimensions)
+        return MsgspecResponse(Embed(body.model, [v.tolist() for v in vectors],
+                                     nanoseconds(time.monotonic() - started), 0, tokens))
+
+    async def embeddings_v1(self, request: Request) -> Response:
+        """The older /api/embeddings: one prompt, one vector."""
+        body = decode_body(await self.serving.read_body(request), EmbeddingsRequest)
+        vectors, _ = await self.embeddings.vectors(request, body.model, body.keep_alive, [body.prompt], None)
+        return MsgspecResponse({"embedding": vectors[0].tolist()})
+
+    async def tags(self, _request: Request) -> Response:
+        return MsgspecResponse({"models": [self._entry(name) for name in self.serving.model_names()]})
+
+    async def ps(self, _request: Request) -> Response:
+        serving, pool = self.serving, self.serving.pool
+        now = time.time()
+        loaded = []
+        for name in serving.model_names():
+            if pool.status(name) != "loaded":
+                continue
+            pooled = pool.find(name)
+            charge = pool.charge(name)
+            unloads_in = (pooled.idle_until - time.monotonic()) if pooled is not None and not pooled.users else math.inf
+            entry = self._entry(name)
+            entry.expires_at = timestamp(now + unloads_in) if math.isfinite(unloads_in) else "9999-12-31T23:59:59Z"
+            entry.size_vram = charge.total if charge is not None else entry.size
+            loaded.append(entry)
+        return MsgspecResponse({"models": loaded})
+
+    async def show(self, request: Request) -> Response:
+        body = decode_body(await self.serving.read_body(request), ShowRequest)
+        name = self.serving.served_name(body.model or body.name, self.serving.model_names())
+        entry = self._entry(name)
+        worker = next((w for w in self.serving.link.workers.values() if name in w.names), None)
+        capabilities = ["completion"]
+        template = ""
+        if worker is not None:
+            template = worker.tokenizer.chat_template
+            capabilities += [c for c, has in (("tools", worker.tool_format is not None or "tools" in template),
+                                              ("thinking", worker.reasoning_markers is not None),
+                                              ("vision", worker.hello.vision)) if has]
+        family = entry.details.family
+        info: dict = {"general.architecture": family}
+        if (context := self.serving.model_facts(name).context_length) is not None:
+            info[f"{family or 'general'}.context_length"] = context
+        return MsgspecResponse({"modelfile": "", "parameters": "", "template": template, "details": entry.details,
+                                "model_info": info, "capabilities": capabilities, "modified_at": entry.modified_at})
+
+    def _entry(self, name: str) -> ModelEntry:
+        facts = self.serving.model_facts(name)
+        worker = next((w for w in self.serving.link.workers.values() if name in w.names), None)
+        digest = worker.hello.model_digest if worker is not None else hashlib.sha256(name.encode()).hexdigest()
+        details = Details(format=facts.format, family=facts.family, families=[facts.family] if facts.family else [],
+                          parameter_size=facts.parameter_size, quantization_level=facts.quantization)
+        return ModelEntry(name=tagged(name), model=tagged(name), modified_at=timestamp(facts.modified or
+                                                                                      self.serving.started),
+                          size=facts.size, digest=digest, details=details, context_length=facts.context_length)

@@ -1,0 +1,164 @@
+"""Ollama's API (/api/*): request and response bodies, as msgspec structs.
+
+Field names and meanings follow Ollama's API reference. Requests are lax
+where Ollama is (unknown fields and unknown `options` are ignored, as Ollama
+ignores them: clients send options of llama.cpp's that mean nothing here);
+values of known fields are checked.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+MAX_INT = 2**31 - 1
+KeepAlive = str | float | None
+
+
+class Options(msgspec.Struct):
+    """The `options` mlxd maps onto its sampling; the others are ignored."""
+
+    temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    seed: int | None = None
+    num_predict: Annotated[int, Meta(ge=-2, le=MAX_INT)] | None = None  # -1: no limit, -2: fill the context
+    stop: list[str] | None = None
+    repeat_penalty: Annotated[float, Meta(gt=0)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+
+
+class ToolCallFunction(msgspec.Struct):
+    name: str
+    arguments: dict[str, Any] = {}
+
+
+class ToolCall(msgspec.Struct):
+    function: ToolCallFunction
+
+
+class Message(msgspec.Struct):
+    role: str
+    content: str = ""
+    images: list[str] | None = None  # base64
+    tool_calls: list[ToolCall] | None = None
+    thinking: str | None = None
+    tool_name: str | None = None  # on a "tool" message: the tool whose result it is
+
+
+class ChatRequest(msgspec.Struct):
+    model: Annotated[str, Meta(min_length=1)]
+    messages: list[Message] = []
+    tools: list[dict[str, Any]] | None = None
+    format: str | dict[str, Any] | None = None  # "json", or a JSON schema
+    options: Options | None = None
+    stream: bool = True
+    keep_alive: KeepAlive = None
+    think: bool | str | None = None
+
+
+class GenerateRequest(msgspec.Struct):
+    model: Annotated[str, Meta(min_length=1)]
+    prompt: str = ""
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    raw: bool = False
+    images: list[str] | None = None
+    format: str | dict[str, Any] | None = None
+    options: Options | None = None
+    stream: bool = True
+    keep_alive: KeepAlive = None
+    think: bool | str | None = None
+
+
+class EmbedRequest(msgspec.Struct):
+    model: Annotated[str, Meta(min_length=1)]
+    input: str | list[str]
+    truncate: bool = True
+    dimensions: Annotated[int, Meta(ge=1)] | None = None
+    keep_alive: KeepAlive = None
+
+
+class EmbeddingsRequest(msgspec.Struct):
+    """The older /api/embeddings: one prompt, one vector."""
+
+    model: Annotated[str, Meta(min_length=1)]
+    prompt: str
+    keep_alive: KeepAlive = None
+
+
+class ShowRequest(msgspec.Struct):
+    model: str = ""
+    name: str = ""  # what older clients send
+
+
+# ---- responses --------------------------------------------------------------
+
+
+class Details(msgspec.Struct):
+    format: str
+    family: str
+    families: list[str]
+    parameter_size: str
+    quantization_level: str
+    parent_model: str = ""
+
+
+class ModelEntry(msgspec.Struct):
+    """One model of /api/tags; /api/ps adds when it unloads and its memory."""
+
+    name: str
+    model: str
+    modified_at: str
+    size: int
+    digest: str
+    details: Details
+    expires_at: str | None = None
+    size_vram: int | None = None
+    context_length: int | None = None
+
+
+class OutMessage(msgspec.Struct, omit_defaults=True):
+    role: str
+    content: str
+    thinking: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class _Chunk(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A streamed line, or a whole response; the last (done) carries why it
+    ended and its counts and durations (nanoseconds)."""
+
+    model: str
+    created_at: str
+    done: bool
+    done_reason: str | None = None
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+
+
+class ChatChunk(_Chunk, kw_only=True):
+    message: OutMessage
+
+
+class GenerateChunk(_Chunk, kw_only=True):
+    response: str
+    thinking: str | None = None
+
+
+class Embed(msgspec.Struct):
+    model: str
+    embeddings: list[list[float]]
+    total_duration: int
+    load_duration: int
+    prompt_eval_count: int

@@ -1,0 +1,155 @@
+"""Ollama's API (/api/*) through Ollama's own client library, unchanged,
+against a real `mlxd serve`: greedy answers equal mlx-lm's in-process output
+and the OpenAI endpoint's; bad input gets Ollama's error shape."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import ollama
+import pytest
+
+from tests.conftest import MODEL_NAME, Server, running, wait_for
+from tests.test_embeddings import expected as expected_embedding
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about the sea."}]
+GREEDY = {"temperature": 0, "num_predict": 12}
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return ollama.Client(host=server.url)
+
+
+def openai_chat(server, messages: list[dict], max_tokens: int) -> str:
+    response = server.http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": messages,
+                                                               "max_tokens": max_tokens, "temperature": 0})
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def test_chat_equals_mlx_lm_and_the_openai_endpoint(client, server, reference):
+    expected = reference.greedy(reference.chat_prompt(MESSAGES), GREEDY["num_predict"])
+    answer = client.chat(model=MODEL_NAME, messages=MESSAGES, options=GREEDY)
+    assert answer.message.role == "assistant"
+    assert answer.message.content == expected.text == openai_chat(server, MESSAGES, GREEDY["num_predict"])
+    assert answer.done and answer.done_reason == expected.finish_reason
+    assert answer.prompt_eval_count == len(reference.chat_prompt(MESSAGES))
+    assert answer.eval_count == len(expected.token_ids)
+    assert answer.total_duration >= answer.prompt_eval_duration > 0
+
+
+def test_streamed_chat_is_the_same_text_in_ndjson_lines(client, server, reference):
+    expected = reference.greedy(reference.chat_prompt(MESSAGES), GREEDY["num_predict"]).text
+    parts = list(client.chat(model=MODEL_NAME + ":latest", messages=MESSAGES, options=GREEDY, stream=True))
+    assert "".join(p.message.content for p in parts) == expected
+    assert [p.done for p in parts].count(True) == 1 and parts[-1].done
+    assert parts[-1].eval_count > 0 and parts[-1].eval_duration > 0
+    with server.http.stream("POST", "/api/chat", json={"model": MODEL_NAME, "messages": MESSAGES,
+                                                       "options": GREEDY}) as response:
+        assert response.headers["content-type"].startswith("application/x-ndjson")
+        lines = [json.loads(line) for line in response.iter_lines() if line]
+    assert "".join(line["message"]["content"] for line in lines) == expected
+
+
+def test_generate_templates_the_prompt_or_takes_it_raw(client, reference):
+    prompt = "Once upon a time"
+    chat = reference.greedy(reference.chat_prompt([{"role": "user", "content": prompt}]), GREEDY["num_predict"])
+    assert client.generate(model=MODEL_NAME, prompt=prompt, options=GREEDY).response == chat.text
+    raw = reference.greedy(reference.text_prompt(prompt), GREEDY["num_predict"])
+    assert client.generate(model=MODEL_NAME, prompt=prompt, raw=True, options=GREEDY).response == raw.text
+    streamed = client.generate(model=MODEL_NAME, prompt=prompt, raw=True, options=GREEDY, stream=True)
+    assert "".join(p.response for p in streamed) == raw.text
+
+
+def test_options_stop_and_format(client, reference):
+    expected = reference.greedy(reference.chat_prompt(MESSAGES), 40).text
+    stop = expected[5:9]
+    cut = client.chat(model=MODEL_NAME, messages=MESSAGES, options={"temperature": 0, "num_predict": 40,
+                                                                     "stop": [stop]})
+    assert cut.message.content == expected[:expected.index(stop)] and cut.done_reason == "stop"
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    shaped = client.chat(model=MODEL_NAME, messages=MESSAGES, format=schema, options={"temperature": 0,
+                                                                                       "num_predict": 60})
+    if shaped.done_reason == "stop":
+        assert isinstance(json.loads(shaped.message.content)["n"], int)
+    else:
+        assert shaped.message.content.startswith("{")
+
+
+def test_embed_and_the_older_embeddings(client, reference):
+    texts = ["Once upon a time", "the cat sat on the mat"]
+    result = client.embed(model=MODEL_NAME, input=texts)
+    for vector, text in zip(result.embeddings, texts):
+        np.testing.assert_allclose(vector, expected_embedding(reference, reference.text_prompt(text)),
+                                   rtol=0, atol=1e-6)
+    assert result.prompt_eval_count == sum(len(reference.text_prompt(t)) for t in texts)
+    older = client.embeddings(model=MODEL_NAME, prompt=texts[0])
+    np.testing.assert_allclose(older.embedding, result.embeddings[0], rtol=0, atol=1e-7)
+
+
+def test_tags_ps_show_and_version(client, server):
+    listed = client.list().models
+    assert [m.model for m in listed] == [MODEL_NAME + ":latest"]
+    assert listed[0].size > 0 and listed[0].details.format == "safetensors" and listed[0].details.family == "llama"
+    running_models = client.ps().models
+    assert [m.model for m in running_models] == [MODEL_NAME + ":latest"]
+    assert running_models[0].size_vram > 0 and running_models[0].context_length == 2048
+    shown = client.show(MODEL_NAME)
+    assert "completion" in shown.capabilities and "<|im_start|>" in shown.template
+    assert shown.modelinfo["llama.context_length"] == 2048
+    assert server.http.get("/api/version").json()["version"]
+    entry = server.http.get("/v1/models").json()["data"][0]
+    assert entry["size"] > 0 and entry["context_length"] == 2048
+
+
+def test_load_and_unload_with_an_empty_request(tiny_model, tmp_path):
+    srv = Server(["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME], tmp_path / "load.log",
+                 env={"MLXD_PRELOAD": "false"})
+    try:
+        wait_for(srv.answers, 30, "the gateway")
+        client = ollama.Client(host=srv.url)
+        assert client.ps().models == []
+        assert client.generate(model=MODEL_NAME).done_reason == "load"
+        assert [m.model for m in client.ps().models] == [MODEL_NAME + ":latest"]
+        assert client.generate(model=MODEL_NAME, keep_alive=0).done_reason == "unload"
+        assert client.ps().models == []
+        assert client.chat(model=MODEL_NAME, messages=[]).done_reason == "load"
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("path,body,status,words", [
+    ("/api/chat", {"model": "nope", "messages": MESSAGES}, 404, "does not exist"),
+    ("/api/chat", {"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"temperature": -1}}, 400,
+     "temperature"),
+    ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "format": "yaml"}, 400, "format"),
+    ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "think": "very"}, 400, "think"),
+    ("/api/chat", {"model": MODEL_NAME, "messages": "hello"}, 400, "messages"),
+    ("/api/generate", {"model": MODEL_NAME, "prompt": "x", "context": [1, 2]}, 400, "context"),
+    ("/api/generate", {"model": MODEL_NAME, "prompt": "x", "options": {"num_predict": 0}}, 400, "num_predict"),
+    ("/api/embed", {"model": MODEL_NAME, "input": [""]}, 400, "empty"),
+    ("/api/show", {"model": "nope"}, 404, "does not exist"),
+])
+def test_bad_input_gets_ollamas_error_shape(server, path, body, status, words):
+    response = server.http.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()
+    assert list(error) == ["error"] and words in error["error"]
+
+
+def test_unknown_options_are_ignored_as_ollama_ignores_them(client, reference):
+    expected = reference.greedy(reference.chat_prompt(MESSAGES), GREEDY["num_predict"]).text
+    answer = client.chat(model=MODEL_NAME, messages=MESSAGES,
+                         options={**GREEDY, "num_ctx": 8192, "num_thread": 4, "mirostat": 0})
+    assert answer.message.content == expected
+
+
+def test_the_api_is_behind_the_keys(tiny_model, tmp_path):
+    with running(["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME, "--api-key", "sk-o"],
+                 tmp_path / "keys.log") as srv:
+        response = srv.http.post("/api/chat", json={"model": MODEL_NAME, "messages": MESSAGES})
+        assert response.status_code == 401 and list(response.json()) == ["error"]
+        keyed = ollama.Client(host=srv.url, headers={"Authorization": "Bearer sk-o"})
+        assert keyed.chat(model=MODEL_NAME, messages=MESSAGES, options=GREEDY).done
