@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import MODEL_NAME, Server
 
-PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
+PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/api/chat", "/api/generate"]
 # The parameters the endpoints know (unknown ones are a 400 at once, which
 # test_any_json covers), so that generated bodies reach the deeper checks.
 FIELDS = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n",
@@ -87,6 +87,40 @@ responses_bodies = st.fixed_dictionaries(
               "reasoning": st.fixed_dictionaries({"effort": st.sampled_from(["low", "high", "max"])}) | json_values},
 )
 
+ollama_options = st.fixed_dictionaries({}, optional={
+    "temperature": field_values("temperature"), "top_p": field_values("top_p"), "top_k": field_values("top_k"),
+    "seed": field_values("seed"), "num_predict": st.integers(-3, 20) | json_values,
+    "stop": st.lists(st.text(max_size=4), max_size=4) | json_values, "repeat_penalty": st.floats(-1, 3),
+    "num_ctx": st.integers(0, 9000), "mirostat": json_values,
+}) | json_values
+ollama_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool", "wizard"]),
+     "content": st.text(max_size=200) | json_values},
+    optional={"images": st.lists(st.text(max_size=40), max_size=2) | json_values, "tool_name": st.text(max_size=8),
+              "tool_calls": st.lists(st.fixed_dictionaries({"function": st.fixed_dictionaries(
+                  {"name": st.text(max_size=8), "arguments": st.dictionaries(st.text(max_size=4), json_values,
+                                                                              max_size=2) | json_values})}),
+                  max_size=2) | json_values},
+)
+OLLAMA_FIELDS = {"options": ollama_options, "stream": field_values("stream"), "format": st.sampled_from(
+    ["json", "", "yaml"]) | json_values, # Never 0: with an empty prompt that unloads the model, a test of its own (test_ollama.py).
+    "keep_alive": st.sampled_from(["5m", -1, "soon", "-3s", "1e400", [1]]),
+    "think": st.sampled_from([True, False, "low", "max"]) | json_values}
+ollama_chat_bodies = st.fixed_dictionaries(
+    {"model": st.sampled_from([MODEL_NAME, MODEL_NAME + ":latest", "llama3:8b"]),
+     "messages": st.lists(ollama_message, max_size=3) | json_values},
+    optional={**OLLAMA_FIELDS, "tools": st.lists(st.fixed_dictionaries(
+        {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.text(max_size=8)})}),
+        max_size=2) | json_values},
+)
+ollama_generate_bodies = st.fixed_dictionaries(
+    {"model": st.sampled_from([MODEL_NAME, MODEL_NAME + ":latest", "llama3:8b"]),
+     "prompt": st.text(max_size=200) | json_values},
+    optional={**OLLAMA_FIELDS, "system": st.text(max_size=40) | json_values, "raw": field_values("stream"),
+              "suffix": st.text(max_size=4), "context": st.lists(st.integers(0, 10), max_size=3),
+              "images": st.lists(st.text(max_size=40), max_size=2) | json_values},
+)
+
 
 @pytest.fixture(scope="module")
 def fuzzed(tiny_model, tmp_path_factory):
@@ -109,6 +143,9 @@ def send(server: Server, path: str, content: bytes) -> None:
     assert r.status_code < 500, (content[:300], body[:300])
     if r.status_code >= 400:
         assert "error" in json.loads(body)
+    elif r.headers["content-type"].startswith("application/x-ndjson"):
+        last = json.loads(body.rstrip().rsplit(b"\n", 1)[-1])
+        assert last.get("done") is True or "error" in last
     elif r.headers["content-type"].startswith("text/event-stream"):
         if path == "/v1/responses":
             last = json.loads(body.rstrip().rsplit(b"\ndata: ", 1)[1])
@@ -136,6 +173,18 @@ def test_completion_bodies(fuzzed, body):
 @given(body=responses_bodies)
 def test_responses_bodies(fuzzed, body):
     send(fuzzed, PATHS[2], json.dumps(body).encode())
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=ollama_chat_bodies)
+def test_ollama_chat_bodies(fuzzed, body):
+    send(fuzzed, PATHS[3], json.dumps(body).encode())
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=ollama_generate_bodies)
+def test_ollama_generate_bodies(fuzzed, body):
+    send(fuzzed, PATHS[4], json.dumps(body).encode())
 
 
 @settings(max_examples=150, deadline=None)
