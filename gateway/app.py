@@ -34,8 +34,8 @@ from gateway.security import Guard, KeyRing, check_bind_policy, keys_required
 from gateway.serving import Serving
 from gateway.settings import GatewaySettings, PoolSettings
 from gateway.transport import EndpointInUse
-from gateway.units import parse_duration, parse_size
 from gateway.worker_link import WorkerLink
+from protocol.units import parse_duration, parse_size
 from protocol.worker_settings import WorkerSettings
 
 log = logging.getLogger("mlxd.gateway")

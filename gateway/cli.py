@@ -7,30 +7,31 @@
   mlxd prepare-model [--model M]    download/import a model into the cache
   mlxd launchd install|uninstall|status|restart-worker   run as launchd jobs on a Mac
   mlxd keys generate DIR --name N   a CURVE key pair, for a worker on another Mac (tcp://)
+  mlxd pull SOURCE [--name NAME]    a Hugging Face repo, or a .gguf file or URL, into the cache (resumable)
+  mlxd list                         the models in the cache: size, format, quantization, context
+  mlxd rm NAME...                   remove models from the cache
   mlxd ps [--url U] [--api-key K]   the workers of a running mlxd: model, pid, state, load, memory
+  mlxd run NAME [--url U]           chat with a model of a running mlxd in the terminal
   mlxd --version                    mlxd's version, its protocol's, and the MLX packages'
 
---model takes an mlx-lm directory, a .gguf file or a Hugging Face repo id; with
-none, mlxd serves the embedded SmolLM2-135M-Instruct. Each command has --help.
+--model takes an mlx-lm directory, a .gguf file, a Hugging Face repo id or the
+name of a pulled model; with none, mlxd serves the embedded SmolLM2-135M-Instruct. Each command has --help.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import logging
 import os
 import shutil
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 
 import msgspec
 
 from gateway.settings import GatewaySettings, PoolSettings
-from gateway.units import format_size
 from protocol import PROTOCOL_VERSION
 from protocol.settings import add_arguments, parse_settings, resolve
 from protocol.worker_settings import WorkerSettings, announced_name
@@ -42,7 +43,10 @@ USAGE = __doc__
 # server (gateway.server) is imported by the commands that run it.
 
 # Commands that run in the worker program, because they need MLX.
-WORKER_COMMANDS = {"worker": [], "import-gguf": ["import-gguf"], "prepare-model": ["prepare-model"]}
+WORKER_COMMANDS = {"worker": [], "import-gguf": ["import-gguf"], "prepare-model": ["prepare-model"],
+                   "pull": ["pull"]}
+# Commands on the cache and a running server (gateway/models_cli.py), by their function.
+MODEL_COMMANDS = {"ps": "ps_main", "list": "list_main", "rm": "rm_main", "run": "run_main"}
 # Worker settings that `mlxd serve` sets itself: its worker talks to this
 # gateway alone, through a socket in a fresh private (0700) directory.
 # Each worker's MLX memory limit is its share of --memory-budget.
@@ -120,46 +124,6 @@ def serve_main(argv: list[str]) -> int:
         shutil.rmtree(runtime, ignore_errors=True)
 
 
-def ps_main(argv: list[str]) -> int:
-    """The workers a running gateway has, one line each (its /health, which needs a key when keys are set)."""
-    parser = argparse.ArgumentParser(prog="mlxd ps", description="List the workers of a running mlxd.")
-    parser.add_argument("--url", default=f"http://127.0.0.1:{os.environ.get('MLXD_PORT', '8000')}",
-                        help="the gateway's address (default: http://127.0.0.1:$MLXD_PORT, or port 8000)")
-    parser.add_argument("--api-key", default=os.environ.get("MLXD_API_KEYS", "").split(",")[0].strip() or None,
-                        help="an API key, when the gateway has keys [env MLXD_API_KEYS: its first]")
-    args = parser.parse_args(argv)
-    request = urllib.request.Request(args.url.rstrip("/") + "/health", headers={
-        "Authorization": f"Bearer {args.api_key}"} if args.api_key else {})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            health = json.load(response)
-    except (OSError, ValueError) as e:
-        print(f"mlxd ps: cannot read {args.url}/health: {e}", file=sys.stderr)
-        return 1
-    if "workers" not in health:
-        print("mlxd ps: the gateway shows its workers only with an API key (--api-key)", file=sys.stderr)
-        return 1
-    models = health.get("pool", {}).get("models", {})
-
-    def until(w: dict) -> str:
-        """When the pool unloads the worker's model: in N s, once idle (-), never, or not the pool's (remote)."""
-        if w.get("remote", True):
-            return "remote"
-        model = models.get(w["model"], {})
-        if model.get("pinned"):
-            return "never"
-        return "-" if model.get("unloads_in_s") is None else f"{model['unloads_in_s']:.0f}s"
-
-    rows = [("MODEL", "PID", "STATE", "RUNNING", "WAITING", "STEPS", "CONTEXT", "MEMORY", "UNLOADS", "UP")]
-    rows += [(w["model"], str(w["pid"]), w["state"], str(w["running"]), str(w["waiting"]), str(w["steps"]),
-              str(w["context_length"]), format_size(w["memory"]["active"]).replace(" ", "") if "memory" in w else "-", until(w),
-              f"{w['up_s']:.0f}s") for w in health["workers"]]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-    return 0
-
-
 def keys_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="mlxd keys",
@@ -195,8 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(rest)
     if command == "keys":
         return keys_main(rest)
-    if command == "ps":
-        return ps_main(rest)
+    if command in MODEL_COMMANDS:
+        from gateway import models_cli
+
+        return getattr(models_cli, MODEL_COMMANDS[command])(rest)
     if command == "launchd":
         from gateway.launchd import main as launchd_main
 

@@ -52,12 +52,16 @@ def local_model(source: str) -> Path | None:
     if path is not None and path.exists():
         return path
     if source.count("/") == 1 and not source.startswith((".", "/")):
-        hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME") or
-                                                           Path.home() / ".cache" / "huggingface") / "hub")
-        snapshots = hub / f"models--{source.replace('/', '--')}" / "snapshots"
+        snapshots = hub_cache() / f"models--{source.replace('/', '--')}" / "snapshots"
         if snapshots.is_dir():
             return max(snapshots.iterdir(), key=lambda s: s.stat().st_mtime, default=None)
     return None
+
+
+def hub_cache() -> Path:
+    """Where huggingface_hub keeps the repos it downloaded."""
+    return Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME") or
+                                                        Path.home() / ".cache" / "huggingface") / "hub")
 
 
 def _weight_files_size(directory: Path) -> int:

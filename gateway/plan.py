@@ -19,8 +19,8 @@ from gateway.images import ImageSource
 from gateway.parsing import arguments_object
 from gateway.sampling_defaults import SamplingDefaults
 from gateway.structured import forced_tool_call_grammar, json_schema_grammar, named_tool
-from gateway.units import parse_duration
 from protocol import Sampling
+from protocol.units import parse_duration
 
 
 @dataclass

@@ -32,8 +32,8 @@ import msgspec
 
 from gateway.ledger import Charge, weights_on_disk
 from gateway.supervisor import WorkerSupervisor
-from gateway.units import format_size
 from gateway.worker_link import WorkerLink
+from protocol.units import format_size
 from protocol.worker_settings import WorkerSettings, announced_name, model_source
 
 log = logging.getLogger("mlxd.gateway.pool")

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Annotated
 
 import msgspec
@@ -12,6 +14,12 @@ from protocol.endpoints import default_worker_endpoint
 
 # The embedded default model, and the name a worker serves it under.
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_dir() -> Path:
+    """mlxd's cache: imported and pulled models (models/), downloads, digests."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mlxd"
 
 
 class WorkerSettings(msgspec.Struct, kw_only=True):

@@ -3,6 +3,7 @@
   mlxd worker [--model M] ...       load a model and serve it to a gateway
   mlxd import-gguf FILE OUT_DIR     write an mlx-lm model directory for a llama GGUF
   mlxd prepare-model [--model M]    download/import a model into the cache, print its directory
+  mlxd pull SOURCE [--name NAME]    a Hugging Face repo, or a .gguf file or URL, into the cache
 """
 
 from __future__ import annotations
@@ -86,7 +87,33 @@ def prepare_main(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"import-gguf": import_gguf_main, "prepare-model": prepare_main}
+def pull_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mlxd pull",
+        description="Put a model in the cache, to serve it later: a Hugging Face repo (owner/name), or a .gguf "
+        "file on this machine or at an http(s) URL (imported as NAME; `--model NAME` serves it). Shows its "
+        "progress; an interrupted pull continues where it stopped when run again.",
+    )
+    parser.add_argument("source", help="owner/name, path/to/model.gguf, or https://host/path/model.gguf")
+    parser.add_argument("--name", help="the name a .gguf is cached and served under (default: its file name "
+                        "without .gguf)")
+    args = parser.parse_args(argv)
+    _start("warning")
+    from worker.gguf import GGUFError
+    from worker.model_source import ModelNotFound
+    from worker.pull import PullError, pull
+
+    try:
+        directory, model = pull(args.source, args.name)
+    except (PullError, ModelNotFound, GGUFError, OSError) as e:
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        return _fail("interrupted; pull again to continue where it stopped")
+    print(f"pulled {model} into {directory}; serve it with: mlxd serve --model {model}")
+    return 0
+
+
+COMMANDS = {"import-gguf": import_gguf_main, "prepare-model": prepare_main, "pull": pull_main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@
   path/to/file.gguf     imported once into the cache, reused after
   owner/name            a Hugging Face repo, downloaded by huggingface_hub
                         (honours HF_HUB_OFFLINE)
+  NAME                  a model `mlxd pull` put in the cache (models/NAME)
 
 The cache lives in $XDG_CACHE_HOME/mlxd (default ~/.cache/mlxd).
 """
@@ -24,7 +25,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from protocol.worker_settings import DEFAULT_MODEL_NAME
+from protocol.worker_settings import DEFAULT_MODEL_NAME, cache_dir
 from worker.gguf import import_gguf
 
 log = logging.getLogger("mlxd.worker.model")
@@ -40,14 +41,10 @@ class ModelNotFound(Exception):
     """The --model value names nothing mlxd can load; the message says why."""
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "mlxd"
-
-
 ACCEPTED_FORMS = (
-    "--model takes an mlx-lm model directory (with config.json), a .gguf file, or a Hugging Face "
-    f"repo id (owner/name); leave it out to serve the embedded {DEFAULT_MODEL_NAME}"
+    "--model takes an mlx-lm model directory (with config.json), a .gguf file, a Hugging Face "
+    f"repo id (owner/name) or the name of a model `mlxd pull` cached; leave it out to serve the embedded "
+    f"{DEFAULT_MODEL_NAME}"
 )
 
 
@@ -71,6 +68,8 @@ def _locate(spec: str) -> Path:
         if path.suffix.lower() != ".gguf":
             raise ModelNotFound(f"model {spec!r}: a file, but not a .gguf file. {ACCEPTED_FORMS}.")
         return imported_gguf(path)
+    if "/" not in spec and (cache_dir() / "models" / spec / "config.json").is_file():
+        return cache_dir() / "models" / spec
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")) and not spec.endswith(".gguf"):
         return hugging_face(spec)
     hint = (f" {DEFAULT_MODEL_NAME} is the name the embedded default model is served under: leave --model "

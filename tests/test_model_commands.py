@@ -1,0 +1,177 @@
+"""`mlxd pull`, `list`, `rm` and `run` as a user runs them: real processes,
+a real HTTP download (from a local server that sends slowly, so that a pull
+can be killed halfway), a real `mlxd serve` of the pulled model, and the
+terminal chat in a pseudo-terminal."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pexpect
+import pytest
+
+from tests.conftest import MLXD, MODEL_NAME, ROOT, running, wait_for
+from tests.gguf_export import save_float_gguf
+
+SLOW_CHUNK = 16 << 10
+
+
+@pytest.fixture(scope="module")
+def gguf(tiny_model, tmp_path_factory):
+    return save_float_gguf(tiny_model, tmp_path_factory.mktemp("gguf") / "tinyp.gguf")
+
+
+@pytest.fixture
+def cache(tmp_path):
+    return {"XDG_CACHE_HOME": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+
+
+def mlxd(*args, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([*MLXD, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+class SlowFileServer:
+    """Serves one file over HTTP with Range support, a chunk every few milliseconds."""
+
+    def __init__(self, data: bytes, delay_s: float) -> None:
+        self.ranges: list[str | None] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                wanted = self.headers.get("Range")
+                outer.ranges.append(wanted)
+                start = int(wanted.removeprefix("bytes=").rstrip("-")) if wanted else 0
+                self.send_response(206 if wanted else 200)
+                self.send_header("Content-Length", str(len(data) - start))
+                self.end_headers()
+                try:
+                    for offset in range(start, len(data), SLOW_CHUNK):
+                        self.wfile.write(data[offset:offset + SLOW_CHUNK])
+                        time.sleep(delay_s)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/tinyp.gguf"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+
+
+def test_a_pull_killed_halfway_continues_where_it_stopped(gguf, cache, tmp_path, reference):
+    data = gguf.read_bytes()
+    server = SlowFileServer(data, delay_s=0.05)
+    partial = tmp_path / "cache" / "mlxd" / "downloads" / "tinyp.gguf.partial"
+    try:
+        first = subprocess.Popen([*MLXD, "pull", server.url], cwd=ROOT, env={**os.environ, **cache},
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: partial.exists() and partial.stat().st_size >= len(data) // 4, 60, "a quarter of the file")
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(10)
+        kept = partial.stat().st_size
+        assert 0 < kept < len(data)
+        second = mlxd("pull", server.url, env=cache)
+    finally:
+        server.close()
+    assert second.returncode == 0, second.stderr
+    assert "resuming tinyp at" in second.stderr and "100%" in second.stderr
+    assert server.ranges[-1] == f"bytes={kept}-"
+    assert "mlxd serve --model tinyp" in second.stdout
+    assert not partial.exists()
+    imported = tmp_path / "cache" / "mlxd" / "models" / "tinyp"
+    assert (imported / "config.json").is_file()
+
+    # The pulled model serves under its name, with the original's answers.
+    with running(["serve", "--model", "tinyp"], tmp_path / "serve.log", env=cache) as srv:
+        answer = srv.http.post("/v1/completions", json={"model": "tinyp", "prompt": "Once upon a time",
+                                                        "max_tokens": 8, "temperature": 0}).json()
+    assert answer["choices"][0]["text"] == reference.greedy(reference.text_prompt("Once upon a time"), 8).text
+
+
+def test_pull_of_a_local_file_list_and_rm(gguf, cache, tmp_path):
+    downloads = tmp_path / "cache" / "mlxd" / "downloads"
+    downloads.mkdir(parents=True)
+    data = gguf.read_bytes()
+    (downloads / "mine.gguf.partial").write_bytes(data[: len(data) // 2])  # what an interrupted pull left
+    pulled = mlxd("pull", str(gguf), "--name", "mine", env=cache)
+    assert pulled.returncode == 0, pulled.stderr
+    assert "resuming mine at" in pulled.stderr
+    again = mlxd("pull", str(gguf), "--name", "mine", env=cache)
+    assert "already in the cache" in again.stderr
+
+    listed = mlxd("list", env=cache)
+    assert listed.returncode == 0
+    header, row = listed.stdout.splitlines()
+    assert header.split() == ["NAME", "SIZE", "FORMAT", "QUANTIZATION", "CONTEXT", "FAMILY"]
+    assert row.split()[0] == "mine" and row.split()[-2:] == ["2048", "llama"]
+
+    assert mlxd("rm", "nothing", env=cache).returncode == 1
+    removed = mlxd("rm", "mine", env=cache)
+    assert removed.returncode == 0 and removed.stdout.startswith("removed mine")
+    assert mlxd("list", env=cache).stdout.splitlines()[1:] == []
+    refused = mlxd("pull", str(tmp_path / "notes.txt"), env=cache)
+    assert refused.returncode == 1 and "not a .gguf file" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_run_chats_in_a_terminal(server, reference):
+    first_question, second_question = "Tell me about the sea.", "And the sky?"
+    first = reference.greedy(reference.chat_prompt([{"role": "user", "content": first_question}]), 8).text
+    second = reference.greedy(reference.chat_prompt([
+        {"role": "user", "content": first_question}, {"role": "assistant", "content": first},
+        {"role": "user", "content": second_question}]), 8).text
+
+    chat = pexpect.spawn(MLXD[0], ["run", MODEL_NAME, "--url", server.url, "--temperature", "0", "--max-tokens", "8"],
+                         cwd=str(ROOT), encoding="utf-8", timeout=60)
+    try:
+        chat.expect_exact(">>> ")
+        chat.sendline(first_question)
+        chat.expect_exact(first_question + "\r\n")
+        chat.expect_exact(first.replace("\n", "\r\n") + "\r\n>>> ")
+        chat.sendline(second_question)
+        chat.expect_exact(second_question + "\r\n")
+        chat.expect_exact(second.replace("\n", "\r\n") + "\r\n>>> ")
+        chat.sendline("/bye")
+        chat.expect(pexpect.EOF)
+    finally:
+        chat.close()
+    assert chat.exitstatus == 0
+
+
+def test_run_names_an_unknown_model_and_goes_on(server):
+    chat = pexpect.spawn(MLXD[0], ["run", "no-such-model", "--url", server.url], cwd=str(ROOT), encoding="utf-8",
+                         timeout=60)
+    try:
+        chat.expect_exact(">>> ")
+        chat.sendline("hello")
+        chat.expect_exact("mlxd run: The model 'no-such-model' does not exist")
+        chat.expect_exact(">>> ")
+        chat.sendeof()
+        chat.expect(pexpect.EOF)
+    finally:
+        chat.close()
+    assert chat.exitstatus == 0
+
+
+def test_a_sha_of_the_pulled_download_matches_the_source(gguf, cache, tmp_path):
+    """Nothing is lost or doubled across a resume: the assembled file is the source, byte for byte."""
+    data = gguf.read_bytes()
+    downloads = tmp_path / "cache" / "mlxd" / "downloads"
+    downloads.mkdir(parents=True)
+    partial = downloads / "whole.gguf.partial"
+    partial.write_bytes(data[:12345])
+    from worker.pull import fetch
+
+    fetch(str(gguf), partial, "whole")
+    assert hashlib.sha256(partial.read_bytes()).hexdigest() == hashlib.sha256(data).hexdigest()

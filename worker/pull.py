@@ -1,0 +1,132 @@
+"""`mlxd pull SOURCE`: put a model in the cache before serving it.
+
+A Hugging Face repo goes to the hub's own cache (huggingface_hub shows its
+progress and resumes its partial files). A .gguf file, on this machine or at
+an http(s) URL, is copied into the cache's downloads as NAME.gguf.partial,
+continued from where an interrupted pull stopped (a URL's server must answer
+Range requests, else it starts over), then imported into models/NAME, which
+`--model NAME` serves.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from protocol.units import format_size
+from protocol.worker_settings import cache_dir
+from worker.gguf import import_gguf
+from worker.model_source import hugging_face
+
+CHUNK = 1 << 20
+# How often the progress line is redrawn on a terminal (elsewhere: a line per tenth).
+REDRAW_S = 0.1
+
+
+class PullError(Exception):
+    """The source cannot be pulled; the message says why."""
+
+
+def is_repo(source: str) -> bool:
+    return source.count("/") == 1 and not source.startswith((".", "/", "~")) and not source.endswith(".gguf")
+
+
+def pull(source: str, name: str | None = None) -> tuple[Path, str]:
+    """(the model's directory, what --model to give to serve it)."""
+    if is_repo(source) and not Path(source).exists():
+        return hugging_face(source), source
+    remote = source.startswith(("http://", "https://"))
+    stem = Path(source.rsplit("/", 1)[-1] if remote else source).name
+    if not stem.endswith(".gguf"):
+        raise PullError(f"{source!r} is not a .gguf file, a .gguf URL or a Hugging Face repo id (owner/name)")
+    name = name or stem.removesuffix(".gguf")
+    if "/" in name or name.startswith("."):
+        raise PullError(f"--name {name!r}: a name is one path component")
+    model = cache_dir() / "models" / name
+    if (model / "config.json").is_file():
+        print(f"{name} is already in the cache ({model})", file=sys.stderr)
+        return model, name
+    downloads = cache_dir() / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    partial = downloads / f"{name}.gguf.partial"
+    fetch(source, partial, name)
+    gguf = partial.with_suffix("")
+    partial.rename(gguf)
+    print(f"importing {name} into {model}", file=sys.stderr)
+    import_gguf(gguf, model)
+    gguf.unlink()
+    return model, name
+
+
+def fetch(source: str, partial: Path, label: str) -> None:
+    """Copy `source` into `partial`, continuing what an earlier pull left there."""
+    have = partial.stat().st_size if partial.exists() else 0
+    src, total, have = _open(source, have)
+    if have:
+        print(f"resuming {label} at {format_size(have)}", file=sys.stderr)
+    progress = Progress(label, total, have)
+    with src, open(partial, "ab" if have else "wb") as dst:
+        while chunk := src.read1(CHUNK):  # what has arrived: a slow link's bytes reach the disk as they come
+            dst.write(chunk)
+            have += len(chunk)
+            progress.show(have)
+    progress.done(have)
+    if total is not None and have != total:
+        raise PullError(f"{source} ended after {have} of {total} bytes; pull again to continue")
+
+
+def _open(source: str, have: int) -> tuple[io.BufferedIOBase, int | None, int]:
+    """The source from byte `have` (from 0 if it cannot continue there), its total size, and where it starts."""
+    if source.startswith(("http://", "https://")):
+        request = urllib.request.Request(source, headers={"Range": f"bytes={have}-"} if have else {})
+        try:
+            response = urllib.request.urlopen(request, timeout=30)
+        except OSError as e:
+            raise PullError(f"cannot download {source}: {e}") from None
+        if have and response.status != 206:
+            have = 0  # the server sends the whole file: start over
+        length = response.headers.get("Content-Length")
+        return response, (have + int(length)) if length and length.isdigit() else None, have
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise PullError(f"{source}: no such file")
+    total = path.stat().st_size
+    have = have if have <= total else 0
+    src = open(path, "rb")
+    src.seek(have)
+    return src, total, have
+
+
+class Progress:
+    """`pulling NAME  42%  11.0 MiB / 26.2 MiB  8.4 MiB/s` on stderr: redrawn in
+    place on a terminal, a line per tenth of the file elsewhere (logs)."""
+
+    def __init__(self, label: str, total: int | None, start: int) -> None:
+        self.label, self.total, self.start = label, total, start
+        self.began = time.monotonic()
+        self.tty = sys.stderr.isatty()
+        self._shown_at = 0.0
+        self._tenth = -1
+
+    def line(self, have: int) -> str:
+        rate = (have - self.start) / max(time.monotonic() - self.began, 1e-3)
+        if self.total:
+            return (f"pulling {self.label}  {100 * have // self.total:3d}%  {format_size(have)} / "
+                    f"{format_size(self.total)}  {format_size(int(rate))}/s")
+        return f"pulling {self.label}  {format_size(have)}  {format_size(int(rate))}/s"
+
+    def show(self, have: int) -> None:
+        if self.tty:
+            if time.monotonic() - self._shown_at >= REDRAW_S:
+                self._shown_at = time.monotonic()
+                print("\r" + self.line(have), end="", file=sys.stderr, flush=True)
+        elif self.total and (tenth := 10 * have // self.total) != self._tenth:
+            self._tenth = tenth
+            print(self.line(have), file=sys.stderr, flush=True)
+
+    def done(self, have: int) -> None:
+        if self.tty or not self.total or self._tenth != 10:  # elsewhere the 100% line may be out already
+            print(("\r" if self.tty else "") + self.line(have), file=sys.stderr, flush=True)
