@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from protocol.worker_settings import cache_dir
+
 # What the default budget leaves to the system and the gateway.
 HEADROOM_BYTES = 2 << 30
 # Metal's recommended working set is about this share of a Mac's memory (as
@@ -47,10 +49,13 @@ def weights_on_disk(source: str) -> int:
 
 def local_model(source: str) -> Path | None:
     """Where a model's files are on this machine: the directory or .gguf file
-    named, or a Hugging Face repo's newest snapshot in the local hub cache."""
+    named, a model pulled into mlxd's cache by that name, or a Hugging Face
+    repo's newest snapshot in the local hub cache."""
     path = Path(source).expanduser() if source else None
     if path is not None and path.exists():
         return path
+    if source and "/" not in source and (cache_dir() / "models" / source).is_dir():
+        return cache_dir() / "models" / source
     if source.count("/") == 1 and not source.startswith((".", "/")):
         snapshots = hub_cache() / f"models--{source.replace('/', '--')}" / "snapshots"
         if snapshots.is_dir():

@@ -96,7 +96,7 @@ def list_main(argv: list[str]) -> int:
     parser.parse_args(argv)
     rows = [("NAME", "SIZE", "FORMAT", "QUANTIZATION", "CONTEXT", "FAMILY")]
     for name, path in cached_models().items():
-        facts = model_facts(name if "/" in name else str(path))
+        facts = model_facts(name)
         rows.append((name, format_size(facts.size), facts.format or "-", facts.quantization or "-",
                      str(facts.context_length or "-"), facts.family or "-"))
     table(rows)

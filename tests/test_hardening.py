@@ -278,8 +278,12 @@ def test_serve_help_lists_no_worker_internal_flags():
 
 
 def test_model_errors_say_what_is_accepted(tmp_path):
-    served_name = mlxd("prepare-model", "--model", "SmolLM2-135M-Instruct")
-    assert served_name.returncode == 1 and "leave --model out" in served_name.stderr
+    # The embedded default's name is the default (as `mlxd list` shows it in the cache).
+    by_name, default = mlxd("prepare-model", "--model", "SmolLM2-135M-Instruct"), mlxd("prepare-model")
+    assert by_name.returncode == 0 and by_name.stdout == default.stdout
+    unknown = mlxd("prepare-model", "--model", "no-such-model")
+    assert unknown.returncode == 1 and "no such file or directory" in unknown.stderr
+    assert "the name of a model `mlxd pull` cached" in unknown.stderr
     (tmp_path / "empty").mkdir()
     no_config = mlxd("prepare-model", "--model", str(tmp_path / "empty"))
     assert no_config.returncode == 1 and "no config.json" in no_config.stderr

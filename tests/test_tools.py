@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import anthropic
+import ollama
 import openai
 import pytest
 
@@ -263,3 +264,22 @@ def test_a_forced_call_in_a_format_without_a_grammar_is_a_clear_400(scripted):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, tool_choice="required")
     assert e.value.body["param"] == "tool_choice"
+
+
+def test_ollama_tool_calls_and_thinking(scripted):
+    """Ollama's client: a call comes back with its arguments as an object, a
+    tool result goes back in as a `tool` message, reasoning comes as `thinking`."""
+    client = ollama.Client(host=scripted("hermes").url)
+    first = client.chat(model="scripted", messages=ASK, tools=TOOLS, options={"temperature": 0})
+    assert [(c.function.name, dict(c.function.arguments)) for c in first.message.tool_calls] == [
+        (CALL["name"], CALL["arguments"])]
+    parts = list(client.chat(model="scripted", messages=ASK, tools=TOOLS, options={"temperature": 0}, stream=True))
+    streamed_calls = [c for p in parts for c in p.message.tool_calls or []]
+    assert [(c.function.name, dict(c.function.arguments)) for c in streamed_calls] == [(CALL["name"],
+                                                                                        CALL["arguments"])]
+    history = ASK + [first.message, {"role": "tool", "content": "sunny", "tool_name": "get_weather"}]
+    assert client.chat(model="scripted", messages=history, tools=TOOLS, options={"temperature": 0}).done
+
+    thinking = ollama.Client(host=scripted("reasoning").url).chat(model="scripted", messages=ASK, think=True,
+                                                                    options={"temperature": 0})
+    assert (thinking.message.content, thinking.message.thinking) == ("Paris.", "The user wants the capital.\n")

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import anthropic
 import httpx
 import numpy as np
+import ollama
 import openai
 import pytest
 from PIL import Image
@@ -351,3 +352,13 @@ def test_image_request_resumes_on_the_next_worker(vision_server, vision_referenc
     health = vision_server.health()
     assert health["supervisor"]["restarts"] == 1
     assert health["worker"]["requests_resumed"] == 1
+
+
+def test_ollama_image_answer_equals_mlx_vlm(vision_server, vision_reference):
+    img = image(6)
+    expected = vision_reference.greedy(template_messages(1), [img], 12)
+    client = ollama.Client(host=vision_server.url)
+    message = {"role": "user", "content": QUESTION, "images": [base64.b64encode(encoded(img)).decode()]}
+    answer = client.chat(model=MODEL, messages=[message], options={"temperature": 0, "num_predict": 12})
+    assert answer.message.content == expected.text
+    assert "vision" in client.show(MODEL).capabilities

