@@ -21,9 +21,11 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 from tokenizers import AddedToken
 
+from gateway.tokenizer import PROMPT_ARRAYS
 from tests.tiny_model import train_tokenizer
 
 FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3", "mistral3")
@@ -327,3 +329,13 @@ def _mistral3(path: Path, tok, family: str, seed: int):
     projector = model.multi_modal_projector.linear_2
     projector.weight = projector.weight * 8
     return config, model
+
+
+def processed(processor, messages: list[dict], image) -> tuple[list[int], dict[str, np.ndarray]]:
+    """`messages` with `image` through the model's processor: the prompt's
+    tokens and the image's arrays, as the gateway sends them to the worker."""
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    out = processor(text=[text], images=[image], return_tensors="np", add_special_tokens=False)
+    arrays = {name: np.ascontiguousarray(value) for name, value in out.items() if name not in PROMPT_ARRAYS}
+    return out["input_ids"][0].tolist(), arrays
+

@@ -33,7 +33,7 @@ load_fast_blas()  # before MLX loads
 from gateway.tokenizer import load_processor  # noqa: E402
 from protocol import AddRequest, Sampling, Tensor  # noqa: E402
 from tests.bench.load import pct  # noqa: E402
-from tests.tiny_vision_model import make_tiny_vision_model  # noqa: E402
+from tests.tiny_vision_model import make_tiny_vision_model, processed  # noqa: E402
 from worker.engine import IMAGE_WORK_SHARE, Engine  # noqa: E402
 from worker.vision import VisionPrefill, load_vision_model  # noqa: E402
 
@@ -90,14 +90,8 @@ class Traffic:
 def processed_images(model_dir: str, size: int, count: int) -> tuple[list[int], list]:
     """The text prompt's tokens, and `count` random images as (prompt, tensors) the way the gateway sends them."""
     processor = load_processor(model_dir, AutoTokenizer.from_pretrained(model_dir))
-    text = processor.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
-    images = []
-    for seed in range(count):
-        image = Image.fromarray((np.random.default_rng(seed).random((size, size, 3)) * 255).astype(np.uint8))
-        out = processor(text=[text], images=[image], return_tensors="np")
-        arrays = {name: np.ascontiguousarray(value) for name, value in out.items()
-                  if name not in ("input_ids", "attention_mask", "mm_token_type_ids")}
-        images.append((out["input_ids"][0].tolist(), arrays))
+    images = [processed(processor, MESSAGES, Image.fromarray(
+        (np.random.default_rng(seed).random((size, size, 3)) * 255).astype(np.uint8))) for seed in range(count)]
     return processor.tokenizer.encode(TEXT), images
 
 

@@ -15,7 +15,7 @@ from PIL import Image
 
 from protocol import AddRequest, Sampling, Tensor
 from tests.reference import VisionReference
-from tests.tiny_vision_model import make_tiny_vision_model
+from tests.tiny_vision_model import make_tiny_vision_model, processed
 from worker.engine import IMAGE_WORK_SHARE, Engine
 from worker.tower import evaluate_in_pieces
 from worker.vision import UnsupportedVisionModel, VisionPrefill, load_vision_model
@@ -45,18 +45,9 @@ def engine_for(path, image_work_share: float = IMAGE_WORK_SHARE) -> Engine:
                   image_work_share=image_work_share)
 
 
-def processed(reference: VisionReference, image: Image.Image) -> tuple[list[int], dict[str, np.ndarray]]:
-    """MESSAGES with `image`: the prompt's tokens and the image's tensors."""
-    text = reference.processor.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
-    out = reference.processor(text=[text], images=[image], return_tensors="np", add_special_tokens=False)
-    arrays = {name: np.ascontiguousarray(value) for name, value in out.items()
-              if name not in ("input_ids", "attention_mask", "mm_token_type_ids")}
-    return out["input_ids"][0].tolist(), arrays
-
-
 def add_image_request(engine: Engine, reference: VisionReference, image: Image.Image) -> int:
     """MESSAGES with `image` as request "image" (12 tokens); its prompt's length."""
-    prompt, arrays = processed(reference, image)
+    prompt, arrays = processed(reference.processor, MESSAGES, image)
     engine.add(AddRequest("image", prompt, Sampling(max_tokens=12, ignore_eos=True),
                           [Tensor(name, list(a.shape), a.dtype.name) for name, a in arrays.items()]),
                [memoryview(a).cast("B") for a in arrays.values()])
@@ -126,7 +117,7 @@ def test_a_spent_budget_still_runs_a_block_per_piece():
 def test_the_budget_does_not_change_the_cache(vision_model, reference):
     model, image_token_id = load_vision_model(vision_model)
     vision = VisionPrefill(model, image_token_id, CHUNK, None)
-    prompt, arrays = processed(reference, random_image(2))
+    prompt, arrays = processed(reference.processor, MESSAGES, random_image(2))
     states = []
     for budget in (0.0, math.inf):
         pieces = vision.prefill(prompt, len(prompt), -1, arrays, None, 0)
