@@ -15,7 +15,8 @@
   mlxd --version                    mlxd's version, its protocol's, and the MLX packages'
 
 --model takes an mlx-lm directory, a .gguf file, a Hugging Face repo id or the
-name of a pulled model; with none, mlxd serves the embedded SmolLM2-135M-Instruct. Each command has --help.
+name of a pulled model; with none, mlxd serves the embedded SmolLM2-135M-Instruct.
+Each command has --help.
 """
 
 from __future__ import annotations
