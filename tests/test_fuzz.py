@@ -102,10 +102,14 @@ ollama_message = st.fixed_dictionaries(
                                                                               max_size=2) | json_values})}),
                   max_size=2) | json_values},
 )
-OLLAMA_FIELDS = {"options": ollama_options, "stream": field_values("stream"), "format": st.sampled_from(
-    ["json", "", "yaml"]) | json_values, # Never 0: with an empty prompt that unloads the model, a test of its own (test_ollama.py).
+OLLAMA_FIELDS = {
+    "options": ollama_options,
+    "stream": field_values("stream"),
+    "format": st.sampled_from(["json", "", "yaml"]) | json_values,
+    # Never 0: with an empty prompt that unloads the model (test_ollama.py tests it).
     "keep_alive": st.sampled_from(["5m", -1, "soon", "-3s", "1e400", [1]]),
-    "think": st.sampled_from([True, False, "low", "max"]) | json_values}
+    "think": st.sampled_from([True, False, "low", "max"]) | json_values,
+}
 ollama_chat_bodies = st.fixed_dictionaries(
     {"model": st.sampled_from([MODEL_NAME, MODEL_NAME + ":latest", "llama3:8b"]),
      "messages": st.lists(ollama_message, max_size=3) | json_values},
