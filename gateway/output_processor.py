@@ -251,8 +251,8 @@ class RequestGroup:
         (event-loop time) if not finished.
         """
         # One timer for the whole request rather than a timeout around every
-        # wait: entering asyncio.timeout for each token was a tenth of the
-        # gateway's CPU per streamed token.
+        # wait: entering asyncio.timeout for each token was 6-8% of the
+        # gateway's CPU at 32 streams (docs/benchmarks.md, issue 18).
         timer = (asyncio.get_running_loop().call_at(deadline, self.queue.put_nowait, _TIMED_OUT)
                  if deadline is not None else None)
         backlog: deque[Delta] = deque()

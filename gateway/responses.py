@@ -40,9 +40,10 @@ class MsgspecResponse(JSONResponse):
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events (or NDJSON lines), and the generation they come from closed however the
-    response ends: even when the client leaves before the first event, when
-    the events were never iterated and so could not close it themselves.
+    """Server-sent events (or NDJSON lines), and the generation they come from
+    closed however the response ends: even when the client leaves before the
+    first event, when the events were never iterated and so could not close
+    it themselves.
 
     A client that hangs up cancels the stream. Starlette watches for that with
     an anyio task group per response, which cost a tenth of a streamed
