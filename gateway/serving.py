@@ -168,7 +168,8 @@ class Serving:
                 break
         raise APIError(
             404,
-            f"The model '{model}' does not exist. This server serves: {', '.join(names)}.",
+            f"The model '{model}' does not exist. "
+            + (f"This server serves: {', '.join(names)}." if names else "No worker has connected to this server yet."),
             type="not_found_error",
             param="model",
             code="model_not_found",
