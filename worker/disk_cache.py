@@ -122,20 +122,30 @@ class DiskCache:
     def restore(self, tokens: Sequence[int], beyond: int) -> tuple[list[KVCache] | None, int]:
         """The KV state of the longest chain of blocks on disk that starts
         `tokens` and is longer than `beyond` tokens, and its length; (None, 0)
-        when none is."""
-        blocks = []
+        when none is. Nothing is read unless the chain is longer: the RAM
+        tier usually holds as much, and a read is the main thread's time."""
+        chain = []
         for key in chain_keys(self.identity, tokens):
             path = self._path(key)
             with self._lock:
                 known = key in self._files
                 if known:
                     self._files.move_to_end(key)
-            if not known and not path.exists():  # another worker on this directory may have written it
-                break
+            try:
+                os.utime(path)  # recently used, whether read now or not (the order outlives the worker)
+            except OSError:
+                if known:
+                    self._forget(key)
+                break  # not on disk (another worker on this directory may have written one that is)
+            chain.append((key, known))
+        if len(chain) * BLOCK_TOKENS <= beyond:
+            return None, 0
+        blocks = []
+        for key, known in chain:
+            path = self._path(key)
             try:
                 data = path.read_bytes()
                 blocks.append(decode_block(data))
-                os.utime(path)
             except (OSError, CorruptBlock) as e:
                 log.warning("dropping prefix-cache block %s: %s", path.name, e)
                 self._forget(key)
