@@ -1,4 +1,5 @@
-"""/admin/models/{name}/load and /unload: an operator's hand on the pool (gateway/pool.py).
+"""/admin/models/{name}/load, /unload, /pin, /unpin and /admin/workers/{pid}/restart:
+an operator's hand on the pool (gateway/pool.py) and its workers.
 
 Behind the API keys, or the --admin-key keys when there are any (gateway/security.py).
 """
@@ -11,11 +12,13 @@ from starlette.responses import Response
 from gateway.errors import APIError
 from gateway.responses import MsgspecResponse
 from gateway.serving import Serving
+from gateway.supervisor import WorkerSupervisor
 
 
 class AdminAPI:
-    def __init__(self, serving: Serving) -> None:
+    def __init__(self, serving: Serving, supervisors: list[WorkerSupervisor]) -> None:
         self.serving = serving
+        self.supervisors = supervisors
 
     def _model(self, request: Request) -> str:
         """The pool's model the path names (404 for another)."""
@@ -42,3 +45,27 @@ class AdminAPI:
             return MsgspecResponse({"model": name, "status": pool.status(name)})
         holding = pool.find(name)
         return MsgspecResponse({"model": name, "status": "unloading", "requests": holding.users if holding else 0}, 202)
+
+    async def pin(self, request: Request) -> Response:
+        return await self._pin(request, True)
+
+    async def unpin(self, request: Request) -> Response:
+        return await self._pin(request, False)
+
+    async def _pin(self, request: Request, pinned: bool) -> Response:
+        name = self._model(request)
+        pool = self.serving.pool
+        try:
+            pool.pin(name, pinned)
+        except ValueError as e:
+            raise APIError(409, str(e), code="too_many_pinned") from None
+        return MsgspecResponse({"model": name, "pinned": pinned, "status": pool.status(name)})
+
+    async def restart(self, request: Request) -> Response:
+        """Restart a worker this gateway started: it drains (its streams resume on the next one) and starts again."""
+        pid = request.path_params["pid"]
+        supervisor = next((s for s in self.supervisors if s.process is not None and s.process.pid == pid), None)
+        if supervisor is None or not supervisor.restart():
+            raise APIError(404, f"no worker with pid {pid} runs under this gateway (a worker that connected on its "
+                           "own is restarted where it was started)", type="not_found_error", code="worker_not_found")
+        return MsgspecResponse({"pid": pid, "restarting": True}, 202)

@@ -91,7 +91,7 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
     serving = Serving(link, settings, pool)
     api = OpenAIAPI(serving)
     anthropic = AnthropicAPI(serving)
-    admin = AdminAPI(serving)
+    admin = AdminAPI(serving, supervisors)
     log_tail = LogTail()
     ops = OpsAPI(serving, supervisors, log_tail)
     embeddings = EmbeddingsAPI(serving)
@@ -198,9 +198,9 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
             Route("/api/embeddings", ollama.embeddings_v1, methods=["POST"]),
             Route("/admin/models/{model:path}/load", admin.load, methods=["POST"]),
             Route("/admin/models/{model:path}/unload", admin.unload, methods=["POST"]),
-            Route("/admin/models/{model:path}/pin", ops.pin, methods=["POST"]),
-            Route("/admin/models/{model:path}/unpin", ops.unpin, methods=["POST"]),
-            Route("/admin/workers/{pid:int}/restart", ops.restart, methods=["POST"]),
+            Route("/admin/models/{model:path}/pin", admin.pin, methods=["POST"]),
+            Route("/admin/models/{model:path}/unpin", admin.unpin, methods=["POST"]),
+            Route("/admin/workers/{pid:int}/restart", admin.restart, methods=["POST"]),
             Route("/admin/state", ops.state, methods=["GET"]),
             Route("/admin", ops.show, methods=["GET"]),
         ],

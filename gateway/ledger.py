@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.worker_settings import cache_dir
+from protocol.worker_settings import is_repo_id, pulled_model
 
 # What the default budget leaves to the system and the gateway.
 HEADROOM_BYTES = 2 << 30
@@ -54,9 +54,9 @@ def local_model(source: str) -> Path | None:
     path = Path(source).expanduser() if source else None
     if path is not None and path.exists():
         return path
-    if source and "/" not in source and (cache_dir() / "models" / source).is_dir():
-        return cache_dir() / "models" / source
-    if source.count("/") == 1 and not source.startswith((".", "/")):
+    if (pulled := pulled_model(source)) is not None:
+        return pulled
+    if is_repo_id(source):
         snapshots = hub_cache() / f"models--{source.replace('/', '--')}" / "snapshots"
         if snapshots.is_dir():
             return max(snapshots.iterdir(), key=lambda s: s.stat().st_mtime, default=None)

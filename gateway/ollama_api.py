@@ -298,7 +298,7 @@ class OllamaAPI:
         body = decode_body(await self.serving.read_body(request), ShowRequest)
         name = self.serving.served_name(body.model or body.name, self.serving.model_names())
         entry = self._entry(name)
-        worker = next((w for w in self.serving.link.workers.values() if name in w.names), None)
+        worker = self.serving.link.worker_of(name)
         capabilities = ["completion"]
         template = ""
         if worker is not None:
@@ -308,14 +308,14 @@ class OllamaAPI:
                                               ("vision", worker.hello.vision)) if has]
         family = entry.details.family
         info: dict = {"general.architecture": family}
-        if (context := self.serving.model_facts(name).context_length) is not None:
+        if (context := entry.context_length) is not None:
             info[f"{family or 'general'}.context_length"] = context
         return MsgspecResponse({"modelfile": "", "parameters": "", "template": template, "details": entry.details,
                                 "model_info": info, "capabilities": capabilities, "modified_at": entry.modified_at})
 
     def _entry(self, name: str) -> ModelEntry:
         facts = self.serving.model_facts(name)
-        worker = next((w for w in self.serving.link.workers.values() if name in w.names), None)
+        worker = self.serving.link.worker_of(name)
         digest = worker.hello.model_digest if worker is not None else hashlib.sha256(name.encode()).hexdigest()
         details = Details(format=facts.format, family=facts.family, families=[facts.family] if facts.family else [],
                           parameter_size=facts.parameter_size, quantization_level=facts.quantization)

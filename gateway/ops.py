@@ -22,7 +22,6 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
-from gateway.errors import APIError
 from gateway.health import workers_status
 from gateway.responses import MsgspecResponse
 from gateway.serving import Serving
@@ -130,30 +129,3 @@ class OpsAPI:
             "events": list(link.events),
             "log": list(self.log_tail.lines),
         })
-
-    async def pin(self, request: Request) -> Response:
-        return await self._pin(request, True)
-
-    async def unpin(self, request: Request) -> Response:
-        return await self._pin(request, False)
-
-    async def _pin(self, request: Request, pinned: bool) -> Response:
-        name = request.path_params["model"]
-        pool = self.serving.pool
-        if pool.find(name) is None:
-            raise APIError(404, f"'{name}' is not a model this server loads and unloads",
-                           type="not_found_error", param="model", code="model_not_found")
-        try:
-            pool.pin(name, pinned)
-        except ValueError as e:
-            raise APIError(409, str(e), code="too_many_pinned") from None
-        return MsgspecResponse({"model": name, "pinned": pinned, "status": pool.status(name)})
-
-    async def restart(self, request: Request) -> Response:
-        """Restart a worker this gateway started: it drains (its streams resume on the next one) and starts again."""
-        pid = request.path_params["pid"]
-        supervisor = next((s for s in self.supervisors if s.process is not None and s.process.pid == pid), None)
-        if supervisor is None or not supervisor.restart():
-            raise APIError(404, f"no worker with pid {pid} runs under this gateway (a worker that connected on its "
-                           "own is restarted where it was started)", type="not_found_error", code="worker_not_found")
-        return MsgspecResponse({"pid": pid, "restarting": True}, 202)

@@ -145,7 +145,7 @@ class Serving:
         """What listings say of the served model `name`: what its files say, with what its worker measured."""
         pooled = self.pool.find(name)
         facts = model_facts(model_source(pooled.supervisor.settings)) if pooled is not None else ModelFacts()
-        worker = next((w for w in self.link.workers.values() if name in w.names), None)
+        worker = self.link.worker_of(name)
         if worker is not None:
             facts.context_length = worker.hello.context_length
             facts.size = worker.hello.weights_bytes or facts.size

@@ -216,6 +216,10 @@ class WorkerLink:
                 raise WorkerUnavailable(f"no worker became ready within {timeout_s:.3g}s") from None
         return worker
 
+    def worker_of(self, name: str) -> WorkerState | None:
+        """The oldest connected worker serving the model `name`, ready or not."""
+        return next((w for w in self.workers.values() if name in w.names), None)
+
     def notify(self) -> None:
         """Wake what waits for a worker: something it depends on changed."""
         self._changed.set()

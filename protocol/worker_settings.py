@@ -22,6 +22,17 @@ def cache_dir() -> Path:
     return Path(base) / "mlxd"
 
 
+def pulled_model(name: str) -> Path | None:
+    """The directory of the model `mlxd pull` cached as `name`, if there is one."""
+    path = cache_dir() / "models" / name
+    return path if name and "/" not in name and (path / "config.json").is_file() else None
+
+
+def is_repo_id(source: str) -> bool:
+    """Whether a --model value that names no file is a Hugging Face repo id (owner/name)."""
+    return source.count("/") == 1 and not source.startswith((".", "/", "~")) and not source.endswith(".gguf")
+
+
 class WorkerSettings(msgspec.Struct, kw_only=True):
     model: Annotated[
         str,

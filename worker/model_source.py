@@ -25,7 +25,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from protocol.worker_settings import DEFAULT_MODEL_NAME, cache_dir
+from protocol.worker_settings import DEFAULT_MODEL_NAME, cache_dir, is_repo_id, pulled_model
 from worker.gguf import import_gguf
 
 log = logging.getLogger("mlxd.worker.model")
@@ -68,9 +68,9 @@ def _locate(spec: str) -> Path:
         if path.suffix.lower() != ".gguf":
             raise ModelNotFound(f"model {spec!r}: a file, but not a .gguf file. {ACCEPTED_FORMS}.")
         return imported_gguf(path)
-    if "/" not in spec and (cache_dir() / "models" / spec / "config.json").is_file():
-        return cache_dir() / "models" / spec
-    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")) and not spec.endswith(".gguf"):
+    if (pulled := pulled_model(spec)) is not None:
+        return pulled
+    if is_repo_id(spec):
         return hugging_face(spec)
     raise ModelNotFound(f"model {spec!r}: no such file or directory. {ACCEPTED_FORMS}.")
 

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from protocol.units import format_size
-from protocol.worker_settings import cache_dir
+from protocol.worker_settings import cache_dir, is_repo_id
 from worker.gguf import import_gguf
 from worker.model_source import hugging_face
 
@@ -30,13 +30,9 @@ class PullError(Exception):
     """The source cannot be pulled; the message says why."""
 
 
-def is_repo(source: str) -> bool:
-    return source.count("/") == 1 and not source.startswith((".", "/", "~")) and not source.endswith(".gguf")
-
-
 def pull(source: str, name: str | None = None) -> tuple[Path, str]:
     """(the model's directory, what --model to give to serve it)."""
-    if is_repo(source) and not Path(source).exists():
+    if is_repo_id(source) and not Path(source).exists():
         return hugging_face(source), source
     remote = source.startswith(("http://", "https://"))
     stem = Path(source.rsplit("/", 1)[-1] if remote else source).name
