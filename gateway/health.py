@@ -31,6 +31,8 @@ def _worker_entry(w: WorkerState, now: float, local: set[int] | None = None) -> 
     if local is not None:
         # Connected on its own: launchd's worker, a replica, another Mac (its memory is not this pool's).
         entry["remote"] = w.hello.pid not in local
+    if w.hello.ranks:
+        entry["ranks"] = [msgspec.structs.asdict(r) for r in w.hello.ranks]
     if w.memory is not None:
         entry["memory"] = msgspec.structs.asdict(w.memory)
     if w.prefix_cache is not None:

@@ -16,6 +16,7 @@ reaches the gateway alone, which lets open streams finish, then stops the worker
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -151,10 +152,12 @@ class WorkerSupervisor:
         self._stopping = True
 
     def kill(self, pid: int) -> None:
-        """The link found this worker hung or unresponsive: kill it (and so restart it)."""
+        """The link found this worker hung or unresponsive: kill it (and so
+        restart it), with its process group: a distributed worker's ranks on
+        this machine, which a hung group cannot stop itself."""
         if self.process is not None and self.process.pid == pid and self.process.returncode is None:
             log.error("killing hung worker pid %d", pid)
-            self.process.kill()
+            _kill_group(pid)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -165,9 +168,15 @@ class WorkerSupervisor:
                 await asyncio.wait_for(process.wait(), self.stop_timeout_s)
             except TimeoutError:
                 log.warning("worker pid %d ignored SIGTERM for %gs; killing it", process.pid, self.stop_timeout_s)
-                process.kill()
+                _kill_group(process.pid)
                 await process.wait()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self.process = None
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL the worker's process group (it leads one of its own)."""
+    with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+        os.killpg(pid, signal.SIGKILL)

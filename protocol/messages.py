@@ -116,6 +116,14 @@ class KVFootprint(msgspec.Struct, array_like=True, frozen=True):
         return self.per_token * tokens + sum(b * min(tokens, window) for b, window in self.windowed) + self.fixed
 
 
+class Rank(msgspec.Struct, frozen=True):
+    """One process of a worker that is an mx.distributed group."""
+
+    rank: int
+    host: str
+    pid: int  # on its own host
+
+
 class Hello(_Message, tag="hello"):
     """Sent when a worker connects (and again until welcomed).
 
@@ -147,6 +155,9 @@ class Hello(_Message, tag="hello"):
     weights_bytes: int = 0
     # What a request's KV state costs: the gateway's memory ledger reserves it before admitting one.
     kv_footprint: KVFootprint = KVFootprint()
+    # A worker that is an mx.distributed group: one entry per rank (its
+    # weights_bytes and kv_footprint are the ranks' sums); [] for one process.
+    ranks: list[Rank] = []
 
 
 FinishReason = Literal["stop", "length"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -91,6 +91,24 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
         str | None, Meta(description="the gateway's CURVE public key file; needed for tcp://")
     ] = None
     log_level: Annotated[str, Meta(description="debug, info, warning or error")] = "info"
+    distributed_hosts: Annotated[
+        str,
+        Meta(description="serve the model as one worker made of an mx.distributed group: one rank per "
+                         "comma-separated IP address, rank 0 first (this machine; 127.0.0.1 for ranks on this "
+                         "machine); each rank holds a shard of the model"),
+    ] = ""
+    distributed_backend: Annotated[
+        Literal["ring", "jaccl"],
+        Meta(description="the group's MLX backend: ring (TCP, any network) or jaccl (RDMA over Thunderbolt 5)"),
+    ] = "ring"
+    distributed_port: Annotated[
+        int, Meta(ge=1, le=65535, description="the group's first TCP port; rank k listens on this + k")
+    ] = 32323
+    sharding: Annotated[
+        Literal["tensor", "pipeline"],
+        Meta(description="how the group splits the model: tensor (every layer across the ranks) or pipeline "
+                         "(a run of layers per rank)"),
+    ] = "tensor"
 
 
 def split_model(value: str) -> tuple[str, str]:

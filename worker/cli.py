@@ -41,11 +41,17 @@ def serve_main(argv: list[str]) -> int:
         prog="mlxd worker",
         description="Load a model and serve it to an mlxd gateway. The main thread makes "
         "every MLX call. MLXD_AFFINITY_AUDIT=1 records the thread of every MLX evaluation "
-        "and reports any made off the main thread.",
+        "and reports any made off the main thread. With --distributed-hosts, start one rank per host "
+        "(an mx.distributed group that serves as one worker); a process started with MLX_RANK set "
+        "(by mlx.launch, or a host's own launchd job) is one rank of such a group.",
     )
     settings = parse_settings(parser, WorkerSettings, argv)
     blas = _start(settings.log_level)
     logging.getLogger("mlxd.worker").info("BLAS: %s", blas)
+    if settings.distributed_hosts and "MLX_RANK" not in os.environ:  # not yet a rank: start the group's ranks
+        from worker.group import run_group
+
+        return run_group(settings)
     from worker.start import serve
 
     return serve(settings, audit=os.environ.get("MLXD_AFFINITY_AUDIT", "") not in ("", "0"))

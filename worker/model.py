@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map, tree_unflatten
 from mlx_lm.utils import load as mlx_lm_load
-from mlx_lm.utils import load_tokenizer
+from mlx_lm.utils import load_tokenizer, sharded_load
 
 from worker.model_source import cache_dir, resolve_model
 from worker.vision import PROCESSOR_FILE_NAMES, load_vision_model
@@ -129,22 +129,38 @@ def model_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def load_model(spec: str, context_length: int | None = None, cpu_dequantize: bool = True) -> LoadedModel:
-    """Resolve `spec` (see worker.model_source) and load it. Main thread only
-    for MLX; the weights are hashed (model_digest) in a thread meanwhile."""
+@dataclass(frozen=True)
+class Sharding:
+    """This process's part of a model split across an mx.distributed group."""
+
+    group: mx.distributed.Group
+    pipeline: bool  # a run of layers per rank; else every layer split across the ranks (tensor parallel)
+
+
+def load_model(spec: str, context_length: int | None = None, cpu_dequantize: bool = True,
+               sharding: Sharding | None = None) -> LoadedModel:
+    """Resolve `spec` (see worker.model_source) and load it, or this rank's
+    shard of it. Main thread only for MLX; the weights are hashed
+    (model_digest) in a thread meanwhile."""
     path, name = resolve_model(spec)
     with ThreadPoolExecutor(1, thread_name_prefix="mlxd-digest") as pool:
         hashing = pool.submit(model_digest, path)
-        loaded = _load(path, name, context_length, cpu_dequantize)
+        loaded = _load(path, name, context_length, cpu_dequantize, sharding)
         # Run as float32 on a CPU, the same weights give other logits than quantized.
         loaded.digest = hashing.result() + (":float32" if loaded.dequantized else "")
     return loaded
 
 
-def _load(path: Path, name: str, context_length: int | None, cpu_dequantize: bool) -> LoadedModel:
+def _load(path: Path, name: str, context_length: int | None, cpu_dequantize: bool,
+          sharding: Sharding | None) -> LoadedModel:
     config = json.loads((path / "config.json").read_text())
     image_token_id = None
-    if "vision_config" in config:  # a vision-language model, for mlx-vlm
+    if "vision_config" in config and sharding is not None:
+        raise ValueError("a vision model cannot be split across a distributed group (mlx-vlm models do not shard)")
+    if sharding is not None:  # mlx-lm shards the model (shard() or pipeline()) and loads this rank's weights
+        groups = (sharding.group, None) if sharding.pipeline else (None, sharding.group)
+        model, tokenizer = sharded_load(str(path), *groups)[:2]
+    elif "vision_config" in config:  # a vision-language model, for mlx-vlm
         model, image_token_id = load_vision_model(path)
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     else:

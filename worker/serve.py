@@ -2,20 +2,28 @@
 
 Each turn: stop if a drain is over, greet the gateway until welcomed, take
 every waiting message (without blocking while there is work) and apply aborts
-then adds, run one engine step, take any aborts that arrived during the step,
-and send one StepOutput for the whole batch.
+then adds, run one engine step, and send one StepOutput for the whole batch.
+Messages that arrive during a step are read at once, so that nothing is sent
+for a request aborted meanwhile, and applied at the start of the next turn.
 
 A drain (on SIGTERM or SIGINT): the worker tells the gateway it is Draining,
 runs its requests for up to --drain-s, then hands back the unfinished ones in
 its Goodbye, for the gateway to resume on the next worker, and exits 0.
+
+In a worker that is an mx.distributed group (worker/collective.py), this loop
+runs on rank 0, which broadcasts each turn's engine input; every other rank
+runs a Follower, which applies the same input and steps the same batch.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 import time
+from collections.abc import Sequence
 
+import msgspec
 import zmq
 
 from protocol import (
@@ -38,6 +46,7 @@ from protocol import (
 )
 from protocol.worker_settings import WorkerSettings
 from worker.audit import AffinityAudit
+from worker.collective import IDLE_SLOT_S, GroupStep, RankChannel
 from worker.embed import Embedder
 from worker.engine import Engine, InvalidRequest
 from worker.footprint import memory_stats
@@ -54,12 +63,73 @@ class GatewayRefused(Exception):
     pass
 
 
-class Worker:
-    def __init__(self, settings: WorkerSettings, engine: Engine, hello: Hello, audit: AffinityAudit | None,
-                 embedder: Embedder | None = None):
-        self.settings = settings
+class EngineRunner:
+    """What every rank does with a turn's engine input. Only rank 0 (a Worker)
+    has a gateway to send to."""
+
+    def __init__(self, engine: Engine, embedder: Embedder | None, channel: RankChannel | None) -> None:
         self.engine = engine
         self.embedder = embedder  # None: the model cannot embed
+        self.channel = channel  # None: a worker of one process
+
+    def send(self, message) -> None:
+        """A rank other than 0 has no one to tell: rank 0 tells the gateway the same."""
+
+    def apply(self, step: GroupStep, buffers: Sequence[Sequence[memoryview]] = ()) -> None:
+        """Aborts, then adds (`buffers`: each add's tensors' bytes, which rank
+        0 alone has; a group serves no images), then embeddings."""
+        aborted = [r for a in step.aborts for r in a.request_ids]
+        if aborted:
+            self.engine.abort(aborted)
+            log.debug("aborted %s after step %d", " ".join(aborted), self.engine.steps)
+        for add, tensors in zip(step.adds, buffers or [()] * len(step.adds), strict=True):
+            try:
+                self.engine.add(add, tensors)
+            except InvalidRequest as e:
+                self.send(Error(add.request_id, str(e)))
+        for request in step.embeds:
+            self.embed(request)
+
+    def embed(self, request: Embed) -> None:
+        """Between steps: the running requests wait for it, as for a prefill."""
+        if self.embedder is None:
+            self.send(Error(request.request_id, "this model cannot embed (a vision model)"))
+            return
+        try:
+            vectors = self.embedder(request.inputs)
+        except Exception as e:  # a failed embedding must not take the running requests' worker down
+            log.exception("embedding failed")
+            self.send(Error(request.request_id, f"embedding failed: {e}"))
+            return
+        self.send(Embeddings(request.request_id, int(vectors.shape[1]), vectors.astype("<f4").tobytes()))
+
+
+class Follower(EngineRunner):
+    """A rank other than 0: rank 0's turns, mirrored. Every rank's engine
+    holds the same requests, so has_work is alike on all of them and the
+    ranks meet at the same collectives in the same order."""
+
+    def __init__(self, engine: Engine, embedder: Embedder | None, channel: RankChannel) -> None:
+        super().__init__(engine, embedder, channel)
+        self.group = channel
+
+    def run(self) -> int:
+        while True:
+            if not self.engine.has_work:
+                time.sleep(IDLE_SLOT_S)  # as long as rank 0 waits for the gateway
+            step = self.group.share()
+            if step.stop:
+                return 0
+            self.apply(step)
+            if self.engine.has_work:
+                self.engine.step()  # a failure ends this rank, and so the group: the ranks would part ways
+
+
+class Worker(EngineRunner):
+    def __init__(self, settings: WorkerSettings, engine: Engine, hello: Hello, audit: AffinityAudit | None,
+                 embedder: Embedder | None = None, channel: RankChannel | None = None):
+        super().__init__(engine, embedder, channel)
+        self.settings = settings
         self.hello = hello
         self.audit = audit
         self.welcomed = False
@@ -67,6 +137,7 @@ class Worker:
         self.handed_back: list[str] = []
         self._announced_drain = False
         self._next_hello = 0.0
+        self._late: list = []  # messages read during the last step, for the next turn
         self.memory = memory_stats()  # read by the main thread after each step, sent by the heartbeat's
         self._context = zmq.Context()
         self.socket = connect(self._context, settings, f"worker-{hello.epoch}")
@@ -96,56 +167,58 @@ class Worker:
                 self.send(Error(None, f"unreadable message: {e}"))
 
     def handle(self, messages: list) -> None:
+        """This turn's messages: the handshake's handled here, the engine's
+        input applied (by every rank of a group)."""
+        step = GroupStep()
+        buffers = []
         # Aborts first: a request added and aborted in the same batch of
         # messages never reaches the engine.
         aborted = {r for m, _ in messages if isinstance(m, Abort) for r in m.request_ids}
         if aborted:
-            self.engine.abort(list(aborted))
-            log.debug("aborted %s after step %d", " ".join(sorted(aborted)), self.engine.steps)
-        for message, buffers in messages:
+            step.aborts.append(Abort(sorted(aborted)))
+        for message, tensors in messages:
             match message:
                 case AddRequest(request_id=request_id) if request_id in aborted:
                     pass
                 case AddRequest(request_id=request_id) if self.drain_deadline is not None:
                     self.handed_back.append(request_id)  # crossed our Draining on the wire
                 case AddRequest():
-                    try:
-                        self.engine.add(message, buffers)
-                    except InvalidRequest as e:
-                        self.send(Error(message.request_id, str(e)))
+                    step.adds.append(self._seeded(message))
+                    buffers.append(tensors)
                 case Embed():
-                    self.embed(message)
+                    step.embeds.append(message)
                 case Welcome(epoch=epoch) if epoch == self.hello.epoch and not self.welcomed:
                     self.welcomed = True  # a Welcome may come once per Hello sent
                     log.info("welcomed by the gateway")
                 case Refused(reason=reason):
                     raise GatewayRefused(reason)
+        if self.channel is not None:
+            self.channel.share(step)
+        self.apply(step, buffers)
 
-    def embed(self, request: Embed) -> None:
-        """Between steps: the running requests wait for it, as for a prefill."""
-        if self.embedder is None:
-            self.send(Error(request.request_id, "this model cannot embed (a vision model)"))
-            return
-        try:
-            vectors = self.embedder(request.inputs)
-        except Exception as e:  # a failed embedding must not take the running requests' worker down
-            log.exception("embedding failed")
-            self.send(Error(request.request_id, f"embedding failed: {e}"))
-            return
-        self.send(Embeddings(request.request_id, int(vectors.shape[1]), vectors.astype("<f4").tobytes()))
+    def _seeded(self, request: AddRequest) -> AddRequest:
+        """In a group, a sampled request without a seed gets one of rank 0's
+        choosing: every rank draws the same tokens from the same logits."""
+        sampling = request.sampling
+        if self.channel is None or sampling.temperature == 0 or sampling.seed is not None:
+            return request
+        seeded = msgspec.structs.replace(sampling, seed=random.getrandbits(63))
+        return msgspec.structs.replace(request, sampling=seeded)
 
     def step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as e:  # a failed step must not take the other requests' worker down
+        except Exception as e:
+            if self.channel is not None:
+                raise  # a group's ranks would part ways: it goes down as one worker, and its requests resume
+            # A failed step must not take the other requests' worker down.
             log.exception("engine step failed; failing every active request")
             for request_id in self.engine.abort_all():
                 self.send(Error(request_id, f"engine step failed: {e}"))
             return
         self.memory = memory_stats()
-        late = self.receive(0)
-        self.handle(late)
-        aborted = {r for m, _ in late if isinstance(m, Abort) for r in m.request_ids}
+        self._late = self.receive(0)
+        aborted = {r for m, _ in self._late if isinstance(m, Abort) for r in m.request_ids}
         outputs = [o for o in outputs if o.request_id not in aborted]
         if outputs:
             self.send(StepOutput(self.engine.steps, outputs))
@@ -176,24 +249,37 @@ class Worker:
             self.heartbeat,
         )
         heartbeat.start()
+        status = 0
         try:
             while self._keep_running():
                 self._greet()
-                self.handle(self.receive(0 if self.engine.has_work else IDLE_POLL_MS))
+                self.handle(self._take_late() + self.receive(self._poll_ms()))
                 if self.engine.has_work:
                     self.step()
         except GatewayRefused as e:
             log.error("the gateway refused this worker: %s", e)
-            return 2
+            status = 2
         finally:
             heartbeat.stop()
             self._say_goodbye()
-        return 0
+        if self.channel is not None:  # the other ranks wait at this turn's broadcast: they exit too
+            self.channel.share(GroupStep(stop=True))
+        return status
+
+    def _take_late(self) -> list:
+        late, self._late = self._late, []
+        return late
+
+    def _poll_ms(self) -> int:
+        """How long this turn waits for the gateway: not at all while there is work."""
+        if self.engine.has_work or self._late:
+            return 0
+        return round(IDLE_SLOT_S * 1000) if self.channel is not None else IDLE_POLL_MS
 
     def _keep_running(self) -> bool:
         """False once a drain is over: its work finished, or its time is up."""
         if self.settings.parent_pid is not None and os.getppid() != self.settings.parent_pid:
-            log.warning("the gateway that started this worker is gone; stopping")
+            log.warning("the process that started this worker is gone; stopping")
             self.drain(0)
         if self.drain_deadline is None:
             return True

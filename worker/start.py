@@ -1,6 +1,12 @@
 """The worker process's start, on its main thread: load the model (or tell
 the gateway why it cannot), build the engine and the Hello, and hand over to
-the serving loop (worker/serve.py) until a signal drains it."""
+the serving loop (worker/serve.py) until a signal drains it.
+
+With --distributed-hosts, the process started without MLX_RANK starts the
+group (worker/group.py); each rank it starts comes here with MLX_RANK set,
+joins the mx.distributed group and loads its shard. Rank 0 serves the
+gateway; the others follow it.
+"""
 
 from __future__ import annotations
 
@@ -8,23 +14,27 @@ import hashlib
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import zmq
 
 from protocol import EXIT_LOAD_FAILED, PROTOCOL_VERSION, Hello, LoadFailed, encode
 from protocol.worker_settings import WorkerSettings, model_source, split_model
 from worker.audit import AffinityAudit
+from worker.collective import RankChannel, RankState, summed_footprint, this_rank
 from worker.disk_cache import DiskCache
 from worker.embed import embedder_for
 from worker.engine import Engine
 from worker.footprint import kv_footprint, set_limits, weights_bytes
 from worker.grammar import Grammars
-from worker.model import LoadedModel, load_model
+from worker.group import GROUP_PID_ENV
+from worker.model import LoadedModel, Sharding, load_model
 from worker.model_source import ModelNotFound
 from worker.prefix_cache import PrefixCache
-from worker.serve import Worker
+from worker.serve import Follower, Worker
 from worker.transport import TransportError, connect
 from worker.vision import FeatureCache, VisionPrefill
 
@@ -36,8 +46,11 @@ LOAD_FAILED_DELIVERY_MS = 2000
 
 def load_failed(settings: WorkerSettings, reason: str) -> int:
     """Tell the gateway why this worker cannot serve (it shows the reason in
-    /health and its 503s; `mlxd serve` stops with it), then exit."""
+    /health and its 503s; `mlxd serve` stops with it), then exit. A rank
+    other than 0 of a group only logs it: rank 0 alone speaks to the gateway."""
     log.error("cannot load the model: %s", reason)
+    if os.environ.get("MLX_RANK", "0") != "0":
+        return EXIT_LOAD_FAILED
     context = zmq.Context()
     try:
         socket = connect(context, settings, f"worker-{time.time_ns()}-failed")
@@ -55,9 +68,17 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
     affinity = AffinityAudit().install() if audit else None
     if affinity:
         log.info("affinity audit on: every MLX evaluation's thread is recorded")
+    channel, sharding = None, None
+    if settings.distributed_hosts:
+        if settings.prefix_cache_dir:  # each rank's disk could fail apart from the others', and the ranks part ways
+            return load_failed(settings, "--prefix-cache-dir is not available to a distributed group")
+        group = mx.distributed.init(backend=settings.distributed_backend, strict=True)
+        channel, sharding = RankChannel(group), Sharding(group, settings.sharding == "pipeline")
+        _stop_with_parent(settings.parent_pid)
+        log.info("rank %d of %d", group.rank(), group.size())
     started = time.monotonic()
     try:
-        loaded = load_model(model_source(settings), settings.context_length, settings.cpu_dequantize)
+        loaded = load_model(model_source(settings), settings.context_length, settings.cpu_dequantize, sharding)
     except (ModelNotFound, OSError, ValueError) as e:  # GGUFError is a ValueError
         return load_failed(settings, str(e))
     except Exception as e:  # an unexpected failure in a loader: the reason still reaches the operator
@@ -74,6 +95,15 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         prefix_cache_bytes -= features.budget if features else 0
         vision = VisionPrefill(loaded.model, loaded.image_token_id, settings.prefill_chunk, features)
     text_model = vision.language_model if vision else loaded.model
+    footprint = kv_footprint(text_model)
+    ranks = []
+    if channel is not None:
+        states = channel.gather(RankState(this_rank(channel.rank), weights, footprint))
+        ranks = [s.rank for s in states]
+        weights, footprint = sum(s.weights_bytes for s in states), summed_footprint(states)
+        # Every rank's cache must keep and drop the same prompts: budgets in proportion to the shards' KV.
+        prefix_cache_bytes = prefix_cache_bytes * states[channel.rank].kv_footprint.per_token \
+            // max(states[0].kv_footprint.per_token, 1)
     disk = DiskCache(Path(settings.prefix_cache_dir), settings.prefix_cache_disk_bytes, model_identity(loaded)) \
         if settings.prefix_cache_dir else None
     engine = Engine(
@@ -88,10 +118,13 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         prefix_cache=PrefixCache(prefix_cache_bytes, disk) if prefix_cache_bytes or disk else None,
         vision=vision,
     )
+    embedder = embedder_for(loaded.model, loaded.path) if not vision else None
+    if channel is not None and channel.rank > 0:
+        return Follower(engine, embedder, channel).run()
     hello = Hello(
         protocol_version=PROTOCOL_VERSION,
         epoch=time.time_ns(),
-        pid=os.getpid(),
+        pid=int(os.environ.get(GROUP_PID_ENV, os.getpid())) if channel else os.getpid(),
         model=split_model(settings.model)[0] or loaded.name,
         context_length=loaded.context_length,
         vocab_size=loaded.vocab_size,
@@ -103,10 +136,11 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         tool_parser=loaded.tool_parser,
         reasoning_markers=loaded.reasoning_markers,
         weights_bytes=weights,
-        kv_footprint=kv_footprint(text_model),
+        kv_footprint=footprint,
+        ranks=ranks,
     )
     try:
-        worker = Worker(settings, engine, hello, affinity, embedder_for(loaded.model, loaded.path) if not vision else None)
+        worker = Worker(settings, engine, hello, affinity, embedder, channel)
     except TransportError as e:
         log.error("%s", e)
         return 1
@@ -123,6 +157,21 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
     finally:
         if disk is not None:
             disk.close()
+
+
+def _stop_with_parent(parent_pid: int | None) -> None:
+    """A rank waiting in a collective never returns to its loop to notice
+    that its group's process is gone: a thread (no MLX) ends it instead."""
+    if parent_pid is None:
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        log.error("the group's process is gone; exiting")
+        os._exit(1)
+
+    threading.Thread(target=watch, name="mlxd-parent-watch", daemon=True).start()
 
 
 def model_identity(loaded: LoadedModel) -> bytes:

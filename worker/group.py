@@ -1,0 +1,157 @@
+"""`mlxd worker --distributed-hosts ...`: start the ranks of a worker that is an
+mx.distributed group, and keep them one worker.
+
+This process is what `mlxd serve`'s supervisor (or launchd) sees as the
+worker. It starts one rank per host with MLX's own launcher scripts (the ones
+`mlx.launch` runs: MLX_RANK, the hostfile, ssh for another host), rank 0 on
+this machine; each rank is `python -m worker` with the same settings. A rank
+that exits takes the others down at once, and this process exits with its
+status, so the group is restarted as a whole: no half-alive group. SIGTERM
+goes to rank 0 alone, which drains and then tells the others to exit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import msgspec
+from mlx._distributed_utils.common import Hostfile
+from mlx._distributed_utils.launch import RemoteProcess
+
+from protocol.settings import to_arguments
+from protocol.worker_settings import WorkerSettings
+
+log = logging.getLogger("mlxd.worker.group")
+
+POLL_S = 0.1
+# After rank 0 exits cleanly, the others have this long to follow its stop.
+FOLLOW_S = 5.0
+# Rank 0 learns the pid the gateway knows this worker by (it kills a hung one by it).
+GROUP_PID_ENV = "MLXD_GROUP_PID"
+
+
+class GroupError(ValueError):
+    """The hosts, backend or hostfile cannot make a group."""
+
+
+def hostfile_of(settings: WorkerSettings) -> Hostfile:
+    """--distributed-hosts as MLX's Hostfile: IP addresses, or the path of a
+    JSON hostfile (as `mlx.distributed_config` writes; JACCL needs its RDMA devices)."""
+    spec = settings.distributed_hosts
+    try:
+        hosts = Hostfile.from_file(spec) if spec.endswith(".json") else Hostfile.from_list(spec)
+    except ValueError as e:
+        raise GroupError(str(e)) from None
+    if len(hosts.hosts) < 2:
+        raise GroupError("--distributed-hosts needs at least two hosts")
+    if any(not h.ips for h in hosts.hosts):
+        raise GroupError("--distributed-hosts takes IP addresses (every rank must reach the others by them)")
+    return hosts
+
+
+def rank_environment(settings: WorkerSettings, hosts: Hostfile) -> tuple[dict[str, str], list[str]]:
+    """The files (name -> content; MLX's scripts write them on each host) and
+    variables every rank is started with, as mlx.launch gives them."""
+    env = [*hosts.envs, f"{GROUP_PID_ENV}={os.getpid()}"]
+    port = settings.distributed_port
+    if settings.distributed_backend == "ring":
+        ring = [[f"{h.ips[0]}:{port + rank}"] for rank, h in enumerate(hosts.hosts)]
+        return {"MLX_HOSTFILE": json.dumps(ring)}, env
+    if any(len(h.rdma) != len(hosts.hosts) for h in hosts.hosts):
+        raise GroupError("the jaccl backend needs a hostfile listing each host's RDMA device to every other "
+                         "(mlx.distributed_config writes one)")
+    env.append(f"MLX_JACCL_COORDINATOR={hosts.hosts[0].ips[0]}:{port}")
+    return {"MLX_IBV_DEVICES": json.dumps([h.rdma for h in hosts.hosts])}, env
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    host: str
+    process: subprocess.Popen
+
+    def kill(self) -> None:
+        """Gone at once; a rank on another host dies with its ssh session."""
+        if self.process.poll() is None:
+            self.process.kill()
+
+
+def start_rank(rank: int, host: str, settings: WorkerSettings, files: dict[str, str], env: list[str]) -> RankProcess:
+    local = rank == 0 or host == "127.0.0.1"
+    # A rank on this machine stops if this process goes (--parent-pid).
+    rank_settings = msgspec.structs.replace(settings, parent_pid=os.getpid() if local else None)
+    command = [sys.executable, "-m", "worker", *to_arguments(rank_settings)]
+    script = RemoteProcess.make_launch_script(rank, None, None, files, env, command, local)
+    if not local:
+        script = f"ssh -tt -o LogLevel=QUIET {shlex.quote(host)} {shlex.quote(script)}"
+    process = subprocess.Popen(script, shell=True, executable="/bin/bash", stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE)
+    threading.Thread(target=_relay, args=(process, rank), name=f"mlxd-rank-{rank}-output", daemon=True).start()
+    return RankProcess(rank, host, process)
+
+
+def _relay(process: subprocess.Popen, rank: int) -> None:
+    """A rank's standard output to our standard error, less the launcher
+    script's first line (the path of its pid file)."""
+    assert process.stdout is not None
+    process.stdout.readline()
+    for line in process.stdout:
+        sys.stderr.buffer.write(f"[rank {rank}] ".encode() + line)
+        sys.stderr.buffer.flush()
+
+
+def run_group(settings: WorkerSettings) -> int:
+    try:
+        hosts = hostfile_of(settings)
+        files, env = rank_environment(settings, hosts)
+    except GroupError as e:
+        log.error("%s", e)
+        return 2
+    names = [h.ips[0] for h in hosts.hosts]
+    log.info("starting a %s group of %d ranks (%s sharding) on %s", settings.distributed_backend, len(names),
+             settings.sharding, ", ".join(names))
+    ranks = [start_rank(rank, host, settings, files, env) for rank, host in enumerate(names)]
+
+    def drain(signum, _frame):
+        log.info("received %s; rank 0 drains, then the group exits", signal.Signals(signum).name)
+        ranks[0].process.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, drain)
+    signal.signal(signal.SIGINT, drain)
+    return _watch(ranks, settings.parent_pid)
+
+
+def _watch(ranks: list[RankProcess], parent_pid: int | None) -> int:
+    """Until a rank exits; then the group's status, once every rank is gone."""
+    while True:
+        if parent_pid is not None and os.getppid() != parent_pid:
+            log.warning("the process that started this worker is gone; stopping the group")
+            ranks[0].process.send_signal(signal.SIGTERM)
+            parent_pid = None
+        exited = [r for r in ranks if r.process.poll() is not None]
+        if exited:
+            break
+        time.sleep(POLL_S)
+    first = exited[0]
+    status = first.process.returncode
+    if first.rank == 0 and status == 0:  # a drain ended: the others were told to exit
+        deadline = time.monotonic() + FOLLOW_S
+        while any(r.process.poll() is None for r in ranks) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+    else:
+        log.error("rank %d (%s) exited with status %s; stopping the group", first.rank, first.host, status)
+    for r in ranks:
+        r.kill()
+    for r in ranks:
+        r.process.wait()
+    # A status of a signal (negative here) reads as a crash to the supervisor, as a shell reports it.
+    return status if status >= 0 else 128 - status
