@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 import socket
+import zlib
 
 import mlx.core as mx
 import msgspec
 import numpy as np
 from mlx_lm.generate import generation_stream
 
-from protocol import Abort, AddRequest, Embed, KVFootprint, Rank
+from protocol import Abort, AddRequest, Embed, KVFootprint, Rank, RequestOutput
 
 # The first collective of a broadcast carries this many bytes: a step's usual
 # input (nothing, or an abort) fits, and only a new prompt needs a second one.
@@ -37,6 +38,13 @@ class GroupStep(msgspec.Struct, kw_only=True):
     adds: list[AddRequest] = []
     embeds: list[Embed] = []
     stop: bool = False  # rank 0 is done: the group exits
+    # Of the tokens rank 0's last step drew (tokens_checksum): a rank that
+    # drew others holds another history in its shard of the KV cache.
+    checksum: int = 0
+
+
+def tokens_checksum(outputs: list[RequestOutput]) -> int:
+    return zlib.crc32(_step_encoder.encode([(o.request_id, o.token_ids) for o in outputs]))
 
 
 class RankState(msgspec.Struct, frozen=True):

@@ -46,7 +46,7 @@ from protocol import (
 )
 from protocol.worker_settings import WorkerSettings
 from worker.audit import AffinityAudit
-from worker.collective import IDLE_SLOT_S, GroupStep, RankChannel
+from worker.collective import IDLE_SLOT_S, GroupStep, RankChannel, tokens_checksum
 from worker.embed import Embedder
 from worker.engine import Engine, InvalidRequest
 from worker.footprint import memory_stats
@@ -71,6 +71,7 @@ class EngineRunner:
         self.engine = engine
         self.embedder = embedder  # None: the model cannot embed
         self.channel = channel  # None: a worker of one process
+        self.checksum = 0  # of the tokens the last step drew, in a group
 
     def send(self, message) -> None:
         """A rank other than 0 has no one to tell: rank 0 tells the gateway the same."""
@@ -120,9 +121,12 @@ class Follower(EngineRunner):
             step = self.group.share()
             if step.stop:
                 return 0
+            if step.checksum != self.checksum:  # garbage would follow: the group restarts, its requests resume
+                raise RuntimeError(f"rank {self.group.rank} drew other tokens than rank 0 in step {self.engine.steps}")
             self.apply(step)
             if self.engine.has_work:
-                self.engine.step()  # a failure ends this rank, and so the group: the ranks would part ways
+                # A failure ends this rank, and so the group: the ranks would part ways.
+                self.checksum = tokens_checksum(self.engine.step())
 
 
 class Worker(EngineRunner):
@@ -169,7 +173,7 @@ class Worker(EngineRunner):
     def handle(self, messages: list) -> None:
         """This turn's messages: the handshake's handled here, the engine's
         input applied (by every rank of a group)."""
-        step = GroupStep()
+        step = GroupStep(checksum=self.checksum)
         buffers = []
         # Aborts first: a request added and aborted in the same batch of
         # messages never reaches the engine.
@@ -216,6 +220,8 @@ class Worker(EngineRunner):
             for request_id in self.engine.abort_all():
                 self.send(Error(request_id, f"engine step failed: {e}"))
             return
+        if self.channel is not None:
+            self.checksum = tokens_checksum(outputs)
         self.memory = memory_stats()
         self._late = self.receive(0)
         aborted = {r for m, _ in self._late if isinstance(m, Abort) for r in m.request_ids}

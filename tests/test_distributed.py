@@ -1,0 +1,194 @@
+"""A worker that is an mx.distributed group: two ranks over MLX's ring backend
+on loopback, each holding half of every layer of the tiny model (tensor
+parallel), serving through a real gateway. Every answer must equal mlx-lm's
+single-process output, token for token."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+
+import httpx
+import pytest
+
+from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, free_port, running, wait_for
+from tests.test_restarts import StreamReader
+
+PROMPTS = [
+    "The quick brown fox",
+    "Paris is the capital of",
+    "Once upon a time there was",
+    "Tokens flow from the worker",
+]
+CHUNK = 32  # prompt tokens per prefill step: the long prompt below takes several
+LONG_PROMPT = " ".join(["Numbers 0 1 2 3 4 5 6 7 8 9 and symbols ! ? , . : ;"] * 12)
+
+
+def group_args(model, *extra: str) -> list[str]:
+    return ["serve", "--model", str(model), "--served-model-name", MODEL_NAME, "--heartbeat-s", "0.1",
+            "--distributed-hosts", "127.0.0.1,127.0.0.1", "--distributed-port", str(free_port()),
+            "--max-batch", "4", "--prefill-chunk", str(CHUNK), *extra]
+
+
+@pytest.fixture(scope="module")
+def group(tiny_model, tmp_path_factory):
+    with running(group_args(tiny_model), tmp_path_factory.mktemp("distributed") / "serve.log",
+                 env={"MLXD_AFFINITY_AUDIT": "1"}) as server:
+        yield server
+
+
+def complete(server: Server, prompt: str, max_tokens: int = 24) -> dict:
+    r = server.http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
+                                                  "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def ranks_of(server: Server) -> list[dict]:
+    return server.health()["worker"].get("ranks", [])
+
+
+def test_the_group_is_one_worker_of_two_ranks(group):
+    worker = group.health()["worker"]
+    assert [r["rank"] for r in worker["ranks"]] == [0, 1]
+    pids = [r["pid"] for r in worker["ranks"]]
+    assert len(set(pids)) == 2 and worker["pid"] not in pids  # the gateway knows the group by its launcher
+    for pid in pids:
+        os.kill(pid, 0)  # alive, on this host
+    wait_for(lambda: "affinity" in group.health()["worker"], 5, "rank 0's first heartbeat")
+    assert group.health()["worker"]["affinity"]["off_main_thread"] == 0
+
+
+def test_four_concurrent_requests_equal_one_process(group, reference):
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(lambda p: complete(group, p)["choices"][0]["text"], PROMPTS))
+    for prompt, answer in zip(PROMPTS, answers):
+        assert answer == reference.greedy(reference.text_prompt(prompt), 24, ignore_eos=True).text
+
+
+def test_a_prompt_longer_than_a_prefill_chunk_equals_one_process(group, reference):
+    prompt = reference.text_prompt(LONG_PROMPT)
+    assert len(prompt) > 3 * CHUNK
+    answer = complete(group, LONG_PROMPT, 16)
+    assert answer["usage"]["prompt_tokens"] == len(prompt)
+    assert answer["choices"][0]["text"] == reference.greedy(prompt, 16, ignore_eos=True).text
+
+
+def test_sampled_requests_agree_across_ranks(group):
+    """Every rank must draw the same tokens, or the shards hold different
+    histories and the answers turn to garbage: rank 0 sends a checksum of
+    its last step's tokens with every broadcast, and a rank that drew others
+    fails the group. Sampled requests, seeded or not, leave it standing."""
+    ranks = ranks_of(group)
+    body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 48, "temperature": 1.0, "seed": 7}
+    first, second = (group.http.post("/v1/completions", json=body).json() for _ in range(2))
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        statuses = list(pool.map(lambda _: group.http.post("/v1/completions", json={**body, "seed": None}).status_code,
+                                 range(4)))
+    assert statuses == [200] * 4
+    assert ranks_of(group) == ranks and group.health()["supervisor"]["restarts"] == 0
+
+
+def test_an_abort_frees_the_slot_on_every_rank(group, reference):
+    """Four long streams fill the batch; one client goes away. The request that
+    takes its slot is batched with the other three on both ranks: a rank that
+    kept the aborted one would run another batch than its peer and the group
+    would fail or answer wrongly."""
+    readers = [StreamReader(group.url, max_tokens=400) for _ in range(3)]
+    for r in readers:
+        r.start()
+    with httpx.stream("POST", group.url + "/v1/completions", timeout=60,
+                      json={"model": MODEL_NAME, "prompt": PROMPTS[1], "max_tokens": 400, "stream": True,
+                            "temperature": 0, "ignore_eos": True}) as gone:
+        for _ in zip(range(5), gone.iter_lines()):
+            pass
+    group.wait_running(lambda running: running <= 3, 10)
+    answer = complete(group, PROMPTS[2])["choices"][0]["text"]
+    assert answer == reference.greedy(reference.text_prompt(PROMPTS[2]), 24, ignore_eos=True).text
+    for r in readers:
+        r.join(120)
+        assert r.failure is None and r.errors == [] and r.done
+    assert len({r.text for r in readers}) == 1
+    assert group.health()["supervisor"]["restarts"] == 0
+
+
+def test_kill_9_of_rank_1_restarts_the_group_and_the_stream_completes(group, reference):
+    expected = reference.greedy(reference.text_prompt("Once upon a time"), 300, ignore_eos=True).text
+    reader = StreamReader(group.url, max_tokens=300)
+    reader.start()
+    reader.wait_for_pieces(20)
+    before = ranks_of(group)
+    os.kill(before[1]["pid"], signal.SIGKILL)
+    reader.join(120)
+    assert reader.failure is None and reader.errors == [] and reader.done
+    assert reader.text == expected
+    health = group.health()
+    assert health["supervisor"]["restarts"] == 1 and health["worker"]["requests_resumed"] >= 1
+    after = ranks_of(group)
+    assert len(after) == 2 and {r["pid"] for r in after}.isdisjoint(r["pid"] for r in before)
+    for gone in before:  # no half-alive group: rank 0 went down with rank 1
+        wait_for(lambda pid=gone["pid"]: not os.path.exists(f"/proc/{pid}"), 10, f"rank pid {gone['pid']} to end")
+
+
+def test_a_frozen_rank_is_hung_and_the_group_is_replaced(tiny_model, tmp_path, reference):
+    """SIGSTOP on rank 1: rank 0 waits in a collective, its heartbeats go on
+    and its step counter stalls; the supervisor kills the group's process
+    group, stopped rank included, and starts it again."""
+    expected = reference.greedy(reference.text_prompt("Once upon a time"), 200, ignore_eos=True).text
+    with running(group_args(tiny_model, "--hung-worker-s", "1.5"), tmp_path / "serve.log") as server:
+        reader = StreamReader(server.url, max_tokens=200)
+        reader.start()
+        reader.wait_for_pieces(20)
+        frozen = ranks_of(server)
+        os.kill(frozen[1]["pid"], signal.SIGSTOP)
+        reader.join(120)
+        assert reader.failure is None and reader.errors == [] and reader.done
+        assert reader.text == expected
+        assert "is hung" in server.log_path.read_text()
+        for gone in frozen:
+            wait_for(lambda pid=gone["pid"]: not os.path.exists(f"/proc/{pid}"), 10, f"rank pid {gone['pid']} to end")
+
+
+def test_a_drain_stops_every_rank(tiny_model, tmp_path):
+    """`mlxd worker` as launchd runs it: SIGTERM drains rank 0, which tells
+    rank 1 to exit; the group's process exits 0 with both ranks gone."""
+    endpoint = f"ipc://{tmp_path}/run/worker.sock"
+    gateway = Server(["gateway", "--worker-endpoint", endpoint, "--served-model-name", MODEL_NAME],
+                     tmp_path / "gateway.log")
+    worker = subprocess.Popen(
+        [*MLXD, "worker", "--model", str(tiny_model), "--worker-endpoint", endpoint, "--drain-s", "0.5",
+         "--distributed-hosts", "127.0.0.1,127.0.0.1", "--distributed-port", str(free_port())],
+        cwd=ROOT, stdout=open(tmp_path / "worker.log", "wb"), stderr=subprocess.STDOUT,
+    )
+    try:
+        gateway.wait_ready()
+        ranks = ranks_of(gateway)
+        assert gateway.health()["worker"]["pid"] == worker.pid
+        os.kill(worker.pid, signal.SIGTERM)
+        assert worker.wait(30) == 0
+        for r in ranks:
+            assert not os.path.exists(f"/proc/{r['pid']}")
+    finally:
+        if worker.poll() is None:
+            worker.kill()  # its ranks follow: they watch their parent
+        gateway.stop()
+
+
+@pytest.mark.parametrize(("hosts", "message"), [
+    ("127.0.0.1", "at least two hosts"),
+    ("mac-a,mac-b", "IP addresses"),
+    ("127.0.0.1,", "cannot be empty"),
+])
+def test_hosts_that_make_no_group_are_refused(hosts, message):
+    done = subprocess.run([*MLXD, "worker", "--distributed-hosts", hosts], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr
+
+
+def test_jaccl_without_rdma_devices_is_refused():
+    done = subprocess.run([*MLXD, "worker", "--distributed-hosts", "10.0.0.1,10.0.0.2",
+                           "--distributed-backend", "jaccl"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "RDMA" in done.stderr
