@@ -72,7 +72,10 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
     if settings.distributed_hosts:
         if settings.prefix_cache_dir:  # each rank's disk could fail apart from the others', and the ranks part ways
             return load_failed(settings, "--prefix-cache-dir is not available to a distributed group")
-        group = mx.distributed.init(backend=settings.distributed_backend, strict=True)
+        try:
+            group = mx.distributed.init(backend=settings.distributed_backend, strict=True)
+        except RuntimeError as e:  # a port in use, a host that never answered, no RDMA device
+            return load_failed(settings, f"cannot join the distributed group: {e}")
         channel, sharding = RankChannel(group), Sharding(group, settings.sharding == "pipeline")
         _stop_with_parent(settings.parent_pid)
         log.info("rank %d of %d", group.rank(), group.size())

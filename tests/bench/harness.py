@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -133,15 +133,16 @@ class Server(NamedTuple):
 
 
 @contextmanager
-def http_system(name: str, model_dir: str, max_concurrency: int, env: dict | None = None) -> Iterator[Server]:
+def http_system(name: str, model_dir: str, max_concurrency: int, env: dict | None = None,
+                args: Sequence[str] = ()) -> Iterator[Server]:
     """`mlxd serve` (name "mlxd") or mlx_lm.server, up for the block; `env`
-    adds to the server's environment."""
+    adds to the server's environment, `args` to mlxd's flags."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, **(env or {})}
     if name == "mlxd":
         argv = [sys.executable, "-m", "gateway", "serve", "--preload", "--model", model_dir, "--port", str(port),
-                "--max-batch", str(max_concurrency)]
+                "--max-batch", str(max_concurrency), *args]
         extra = {"ignore_eos": True}
     else:
         from worker.blas import openblas_path
