@@ -13,7 +13,10 @@ import subprocess
 import httpx
 import pytest
 
+import numpy as np
+
 from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, free_port, running, wait_for
+from tests.test_embeddings import expected as expected_embedding
 from tests.test_restarts import StreamReader
 
 PROMPTS = [
@@ -90,6 +93,20 @@ def test_sampled_requests_agree_across_ranks(group):
                                  range(4)))
     assert statuses == [200] * 4
     assert ranks_of(group) == ranks and group.health()["supervisor"]["restarts"] == 0
+
+
+def test_embeddings_beside_a_stream_equal_one_process(group, reference):
+    """Every rank runs the embedding (its shard's layers), between the stream's steps."""
+    reader = StreamReader(group.url, max_tokens=200)
+    reader.start()
+    reader.wait_for_pieces(5)
+    body = group.http.post("/v1/embeddings", json={"model": MODEL_NAME, "input": PROMPTS}).json()
+    for item, prompt in zip(body["data"], PROMPTS):
+        # Summed over two shards, the hidden states round apart from one process's by a float's last bits.
+        np.testing.assert_allclose(item["embedding"], expected_embedding(reference, reference.text_prompt(prompt)),
+                                   rtol=0, atol=1e-5)
+    reader.join(60)
+    assert reader.failure is None and reader.done
 
 
 def test_an_abort_frees_the_slot_on_every_rank(group, reference):

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 import msgspec
-from mlx._distributed_utils.common import Hostfile
+from mlx._distributed_utils.common import Host, Hostfile
 from mlx._distributed_utils.launch import RemoteProcess
 
 from protocol.settings import to_arguments
@@ -85,18 +85,18 @@ class RankProcess:
             self.process.kill()
 
 
-def start_rank(rank: int, host: str, settings: WorkerSettings, files: dict[str, str], env: list[str]) -> RankProcess:
-    local = rank == 0 or host == "127.0.0.1"
+def start_rank(rank: int, host: Host, settings: WorkerSettings, files: dict[str, str], env: list[str]) -> RankProcess:
+    local = rank == 0 or host.ssh_hostname in ("127.0.0.1", "localhost")
     # A rank on this machine stops if this process goes (--parent-pid).
     rank_settings = msgspec.structs.replace(settings, parent_pid=os.getpid() if local else None)
     command = [sys.executable, "-m", "worker", *to_arguments(rank_settings)]
     script = RemoteProcess.make_launch_script(rank, None, None, files, env, command, local)
     if not local:
-        script = f"ssh -tt -o LogLevel=QUIET {shlex.quote(host)} {shlex.quote(script)}"
+        script = f"ssh -tt -o LogLevel=QUIET {shlex.quote(host.ssh_hostname)} {shlex.quote(script)}"
     process = subprocess.Popen(script, shell=True, executable="/bin/bash", stdin=subprocess.DEVNULL,
                                stdout=subprocess.PIPE)
     threading.Thread(target=_relay, args=(process, rank), name=f"mlxd-rank-{rank}-output", daemon=True).start()
-    return RankProcess(rank, host, process)
+    return RankProcess(rank, host.ssh_hostname, process)
 
 
 def _relay(process: subprocess.Popen, rank: int) -> None:
@@ -116,10 +116,9 @@ def run_group(settings: WorkerSettings) -> int:
     except GroupError as e:
         log.error("%s", e)
         return 2
-    names = [h.ips[0] for h in hosts.hosts]
-    log.info("starting a %s group of %d ranks (%s sharding) on %s", settings.distributed_backend, len(names),
-             settings.sharding, ", ".join(names))
-    ranks = [start_rank(rank, host, settings, files, env) for rank, host in enumerate(names)]
+    log.info("starting a %s group of %d ranks (%s sharding) on %s", settings.distributed_backend, len(hosts.hosts),
+             settings.sharding, ", ".join(h.ssh_hostname for h in hosts.hosts))
+    ranks = [start_rank(rank, host, settings, files, env) for rank, host in enumerate(hosts.hosts)]
 
     def drain(signum, _frame):
         log.info("received %s; rank 0 drains, then the group exits", signal.Signals(signum).name)
@@ -142,16 +141,17 @@ def _watch(ranks: list[RankProcess], parent_pid: int | None) -> int:
             break
         time.sleep(POLL_S)
     first = exited[0]
-    status = first.process.returncode
-    if first.rank == 0 and status == 0:  # a drain ended: the others were told to exit
+    if first.process.returncode == 0:  # rank 0 ended a drain and told the others to exit
         deadline = time.monotonic() + FOLLOW_S
         while any(r.process.poll() is None for r in ranks) and time.monotonic() < deadline:
             time.sleep(POLL_S)
     else:
-        log.error("rank %d (%s) exited with status %s; stopping the group", first.rank, first.host, status)
+        log.error("rank %d (%s) exited with status %s; stopping the group", first.rank, first.host,
+                  first.process.returncode)
     for r in ranks:
         r.kill()
     for r in ranks:
         r.process.wait()
+    status = first.process.returncode
     # A status of a signal (negative here) reads as a crash to the supervisor, as a shell reports it.
     return status if status >= 0 else 128 - status
