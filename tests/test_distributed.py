@@ -11,9 +11,8 @@ import signal
 import subprocess
 
 import httpx
-import pytest
-
 import numpy as np
+import pytest
 
 from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, free_port, running, wait_for
 from tests.test_embeddings import expected as expected_embedding
