@@ -13,6 +13,7 @@ import subprocess
 import httpx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, free_port, running, wait_for
 from tests.test_embeddings import expected as expected_embedding
@@ -52,7 +53,7 @@ def ranks_of(server: Server) -> list[dict]:
     return server.health()["worker"].get("ranks", [])
 
 
-def test_the_group_is_one_worker_of_two_ranks(group):
+def test_the_group_is_one_worker_of_two_ranks(group, reference):
     worker = group.health()["worker"]
     assert [r["rank"] for r in worker["ranks"]] == [0, 1]
     pids = [r["pid"] for r in worker["ranks"]]
@@ -61,6 +62,11 @@ def test_the_group_is_one_worker_of_two_ranks(group):
         os.kill(pid, 0)  # alive, on this host
     wait_for(lambda: "affinity" in group.health()["worker"], 5, "rank 0's first heartbeat")
     assert group.health()["worker"]["affinity"]["off_main_thread"] == 0
+    # Its weights are its ranks' summed: half of every layer each, the embeddings and head on both.
+    whole = sum(a.nbytes for _, a in tree_flatten(reference.model.parameters()))
+    assert whole < worker["weights_bytes"] < 2 * whole
+    (ledger,) = group.health()["pool"]["models"].values()
+    assert ledger["memory"]["weights"] == worker["weights_bytes"]
 
 
 def test_four_concurrent_requests_equal_one_process(group, reference):

@@ -80,7 +80,12 @@ def serving(model: str, concurrency: list[int], tokens: int, rounds: int) -> Non
 
 def idle(model: str) -> None:
     with http_system("mlxd", model, 8, args=group_args()) as server:
-        ranks = [r["pid"] for r in httpx.get(server.url + "/health").json()["worker"]["ranks"]]
+        deadline = time.monotonic() + 60
+        while "ranks" not in (worker := httpx.get(server.url + "/health").json()["worker"]):
+            assert time.monotonic() < deadline, "the group never connected"
+            time.sleep(0.1)
+        ranks = [r["pid"] for r in worker["ranks"]]
+        time.sleep(1)  # past the requests of its start
         before = [cpu_seconds(pid) for pid in ranks]
         time.sleep(IDLE_S)
         busy = [(cpu_seconds(pid) - b) / IDLE_S for pid, b in zip(ranks, before)]
