@@ -95,6 +95,7 @@ bench: install-test model
 	$(PY) -m tests.bench.detokenize
 	$(PY) -m tests.bench.replicas
 	$(PY) -m tests.bench.pool
+	$(PY) -m tests.bench.distributed
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache tests/agents/node_modules

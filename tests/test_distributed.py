@@ -9,6 +9,7 @@ import concurrent.futures
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -60,6 +61,10 @@ def test_the_group_is_one_worker_of_two_ranks(group, reference):
     assert len(set(pids)) == 2 and worker["pid"] not in pids  # the gateway knows the group by its launcher
     for pid in pids:
         os.kill(pid, 0)  # alive, on this host
+        # The two ranks share this machine's cores: each gets its part for its BLAS threads.
+        environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        threads = os.environ.get("OPENBLAS_NUM_THREADS", str(max(1, os.cpu_count() // 2)))
+        assert f"OPENBLAS_NUM_THREADS={threads}".encode() in environment
     wait_for(lambda: "affinity" in group.health()["worker"], 5, "rank 0's first heartbeat")
     assert group.health()["worker"]["affinity"]["off_main_thread"] == 0
     # Its weights are its ranks' summed: half of every layer each, the embeddings and head on both.

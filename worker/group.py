@@ -85,8 +85,22 @@ class RankProcess:
             self.process.kill()
 
 
+def is_local(rank: int, host: Host) -> bool:
+    return rank == 0 or host.ssh_hostname in ("127.0.0.1", "localhost")
+
+
+def shared_cpu_environment(local_ranks: int) -> list[str]:
+    """Ranks that share this machine split its cores among their BLAS
+    threads: on the CPU backend, each rank's full set of OpenBLAS threads
+    fought the others' (and their collectives, which spin while they wait),
+    a third of the throughput (docs/benchmarks.md). An operator's own setting wins."""
+    if local_ranks < 2 or sys.platform != "linux" or "OPENBLAS_NUM_THREADS" in os.environ:
+        return []
+    return [f"OPENBLAS_NUM_THREADS={max(1, (os.cpu_count() or 1) // local_ranks)}"]
+
+
 def start_rank(rank: int, host: Host, settings: WorkerSettings, files: dict[str, str], env: list[str]) -> RankProcess:
-    local = rank == 0 or host.ssh_hostname in ("127.0.0.1", "localhost")
+    local = is_local(rank, host)
     # A rank on this machine stops if this process goes (--parent-pid).
     rank_settings = msgspec.structs.replace(settings, parent_pid=os.getpid() if local else None)
     command = [sys.executable, "-m", "worker", *to_arguments(rank_settings)]
@@ -118,7 +132,10 @@ def run_group(settings: WorkerSettings) -> int:
         return 2
     log.info("starting a %s group of %d ranks (%s sharding) on %s", settings.distributed_backend, len(hosts.hosts),
              settings.sharding, ", ".join(h.ssh_hostname for h in hosts.hosts))
-    ranks = [start_rank(rank, host, settings, files, env) for rank, host in enumerate(hosts.hosts)]
+    local = [is_local(rank, host) for rank, host in enumerate(hosts.hosts)]
+    cpu_env = shared_cpu_environment(sum(local))
+    ranks = [start_rank(rank, host, settings, files, env + (cpu_env if local[rank] else []))
+             for rank, host in enumerate(hosts.hosts)]
 
     def drain(signum, _frame):
         log.info("received %s; rank 0 drains, then the group exits", signal.Signals(signum).name)
