@@ -142,41 +142,39 @@ def test_an_abort_frees_the_slot_on_every_rank(group, reference):
     assert group.health()["supervisor"]["restarts"] == 0
 
 
-def test_kill_9_of_rank_1_restarts_the_group_and_the_stream_completes(group, reference):
-    expected = reference.greedy(reference.text_prompt("Once upon a time"), 300, ignore_eos=True).text
-    reader = StreamReader(group.url, max_tokens=300)
+def stream_through(server: Server, reference, tokens: int, hurt) -> list[dict]:
+    """A greedy stream during which `hurt(ranks)` is done to the group: it
+    completes with one process's text, and every rank it had is gone (no
+    half-alive group). Returns those ranks."""
+    expected = reference.greedy(reference.text_prompt("Once upon a time"), tokens, ignore_eos=True).text
+    reader = StreamReader(server.url, max_tokens=tokens)
     reader.start()
     reader.wait_for_pieces(20)
-    before = ranks_of(group)
-    os.kill(before[1]["pid"], signal.SIGKILL)
+    before = ranks_of(server)
+    hurt(before)
     reader.join(120)
     assert reader.failure is None and reader.errors == [] and reader.done
     assert reader.text == expected
+    for gone in before:
+        wait_for(lambda pid=gone["pid"]: not os.path.exists(f"/proc/{pid}"), 10, f"rank pid {gone['pid']} to end")
+    return before
+
+
+def test_kill_9_of_rank_1_restarts_the_group_and_the_stream_completes(group, reference):
+    before = stream_through(group, reference, 300, lambda ranks: os.kill(ranks[1]["pid"], signal.SIGKILL))
     health = group.health()
     assert health["supervisor"]["restarts"] == 1 and health["worker"]["requests_resumed"] >= 1
     after = ranks_of(group)
     assert len(after) == 2 and {r["pid"] for r in after}.isdisjoint(r["pid"] for r in before)
-    for gone in before:  # no half-alive group: rank 0 went down with rank 1
-        wait_for(lambda pid=gone["pid"]: not os.path.exists(f"/proc/{pid}"), 10, f"rank pid {gone['pid']} to end")
 
 
 def test_a_frozen_rank_is_hung_and_the_group_is_replaced(tiny_model, tmp_path, reference):
     """SIGSTOP on rank 1: rank 0 waits in a collective, its heartbeats go on
     and its step counter stalls; the supervisor kills the group's process
     group, stopped rank included, and starts it again."""
-    expected = reference.greedy(reference.text_prompt("Once upon a time"), 200, ignore_eos=True).text
     with running(group_args(tiny_model, "--hung-worker-s", "1.5"), tmp_path / "serve.log") as server:
-        reader = StreamReader(server.url, max_tokens=200)
-        reader.start()
-        reader.wait_for_pieces(20)
-        frozen = ranks_of(server)
-        os.kill(frozen[1]["pid"], signal.SIGSTOP)
-        reader.join(120)
-        assert reader.failure is None and reader.errors == [] and reader.done
-        assert reader.text == expected
+        stream_through(server, reference, 200, lambda ranks: os.kill(ranks[1]["pid"], signal.SIGSTOP))
         assert "is hung" in server.log_path.read_text()
-        for gone in frozen:
-            wait_for(lambda pid=gone["pid"]: not os.path.exists(f"/proc/{pid}"), 10, f"rank pid {gone['pid']} to end")
 
 
 def test_a_drain_stops_every_rank(tiny_model, tmp_path):
