@@ -85,6 +85,7 @@ bench: install-test model
 	  --concurrency 8 --tokens 32 --rounds 2
 	$(PY) -m tests.bench.prefix_cache
 	$(PY) -m tests.bench.agent_replay
+	$(PY) -m tests.bench.disk_restore
 	$(PY) -m tests.bench.serve_speed
 	$(PY) -m tests.bench.restart --signal KILL
 	$(PY) -m tests.bench.restart --signal TERM

@@ -12,13 +12,16 @@ The main thread copies a block's arrays to bytes (MLX stays on it); a writer
 thread, which never calls MLX, writes each file (0600, in a 0700 directory,
 under a temporary name first) and removes the least recently used files
 beyond the byte budget. Reading checks a header and a checksum: a corrupt,
-truncated or foreign file is removed, and the chain ends before it.
+truncated or foreign file is removed, and the chain ends before it. The
+files of a chain are read, checked and put together by reader threads (no
+MLX either), since the main thread waits for them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import queue
 import struct
@@ -26,7 +29,9 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 import msgspec
@@ -41,6 +46,7 @@ BLOCK_TOKENS = 256
 QUEUE_BYTES = 256 << 20
 MAGIC = b"mlxd-kv1"
 SUFFIX = ".kv"
+READERS = min(8, os.cpu_count() or 1)
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
@@ -64,18 +70,36 @@ def chain_keys(identity: bytes, tokens: Sequence[int]) -> list[str]:
     return keys
 
 
-def encode_block(arrays: list[mx.array]) -> bytes:
-    """A block file: MAGIC, the SHA-256 of the rest, the layout's length and the layout, the arrays' bytes."""
+def block_payload(arrays: list[mx.array]) -> list[bytes]:
+    """A block's payload in pieces: the layout's length, the layout, each
+    array's bytes. On the main thread, which alone calls MLX."""
     layout = msgspec.msgpack.encode(BlockLayout([list(a.shape) for a in arrays],
                                                 [str(a.dtype).rsplit(".", 1)[1] for a in arrays]))
-    body = struct.pack("<I", len(layout)) + layout + b"".join(np.asarray(a.view(mx.uint8)).tobytes() for a in arrays)
-    return MAGIC + hashlib.sha256(body).digest() + body
+    return [struct.pack("<I", len(layout)), layout, *(np.asarray(a.view(mx.uint8)).tobytes() for a in arrays)]
 
 
-def decode_block(data: bytes) -> list[mx.array]:
+def block_file(payload: list[bytes]) -> list[bytes]:
+    """A block file in pieces: MAGIC, the SHA-256 of the payload, the payload."""
+    digest = hashlib.sha256()
+    for part in payload:
+        digest.update(part)
+    return [MAGIC, digest.digest(), *payload]
+
+
+class Block(NamedTuple):
+    """A block file's contents, checked."""
+
+    layout: BlockLayout
+    arrays: list[np.ndarray]  # each as bytes (its last axis widened by the item size), viewing the file's
+    file_bytes: int
+
+
+def read_block(path: Path) -> Block:
+    """A block file's contents after its checks. No MLX: the reader threads run it."""
+    data = path.read_bytes()
     if len(data) < len(MAGIC) + 36 or not data.startswith(MAGIC):
         raise CorruptBlock("not a block file")
-    digest, body = data[len(MAGIC):len(MAGIC) + 32], data[len(MAGIC) + 32:]
+    digest, body = data[len(MAGIC):len(MAGIC) + 32], memoryview(data)[len(MAGIC) + 32:]
     if hashlib.sha256(body).digest() != digest:
         raise CorruptBlock("checksum mismatch")
     (size,) = struct.unpack_from("<I", body)
@@ -83,16 +107,17 @@ def decode_block(data: bytes) -> list[mx.array]:
         layout = msgspec.msgpack.decode(body[4:4 + size], type=BlockLayout)
         offset, arrays = 4 + size, []
         for shape, name in zip(layout.shapes, layout.dtypes, strict=True):
-            dtype = DTYPES[name]
-            nbytes = int(np.prod(shape)) * dtype.size
-            raw = np.frombuffer(body, np.uint8, nbytes, offset)
-            arrays.append(mx.array(raw).view(dtype).reshape(shape))
+            if len(shape) != 4 or shape[2] != BLOCK_TOKENS or min(shape) < 0:
+                raise ValueError(f"not a block's KV shape: {shape}")
+            width = DTYPES[name].size
+            nbytes = math.prod(shape) * width
+            arrays.append(np.frombuffer(body, np.uint8, nbytes, offset).reshape(*shape[:3], shape[3] * width))
             offset += nbytes
     except (msgspec.DecodeError, KeyError, ValueError) as e:
         raise CorruptBlock(str(e)) from None
     if offset != len(body):
         raise CorruptBlock("payload size mismatch")
-    return arrays
+    return Block(layout, arrays, len(data))
 
 
 class DiskCache:
@@ -113,11 +138,15 @@ class DiskCache:
             if time.time() - path.stat().st_mtime > 3600:
                 path.unlink(missing_ok=True)
         self.nbytes = sum(self._files.values())
-        self._pending: queue.Queue[tuple[str, bytes, int] | None] = queue.Queue()  # key, file, queued bytes
+        # Key, payload, queued bytes: the writer seals and writes it.
+        self._pending: queue.Queue[tuple[str, list[bytes], int] | None] = queue.Queue()
         self._queued_bytes = 0
         self._queued: set[str] = set()  # keys handed to the writer, not on disk yet
         self._writer = threading.Thread(target=self._write_loop, name="mlxd-disk-cache", daemon=True)
         self._writer.start()
+        # Reading a chain back is the main thread's wait: its files are read,
+        # checked and put in place by several threads (none calls MLX).
+        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="mlxd-disk-read")
 
     def restore(self, tokens: Sequence[int], beyond: int) -> tuple[list[KVCache] | None, int]:
         """The KV state of the longest chain of blocks on disk that starts
@@ -140,33 +169,56 @@ class DiskCache:
             chain.append((key, known))
         if len(chain) * BLOCK_TOKENS <= beyond:
             return None, 0
-        blocks = []
-        for key, known in chain:
-            path = self._path(key)
+        blocks = self._read_chain(chain)
+        length = len(blocks) * BLOCK_TOKENS
+        if length <= beyond:
+            return None, 0
+        arrays = self._assemble(blocks)
+        cache = []
+        for keys, values in zip(arrays[::2], arrays[1::2]):
+            c = KVCache()
+            c.keys, c.values, c.offset = keys, values, length
+            cache.append(c)
+        self.restored_tokens += length
+        return cache, length
+
+    def _read_chain(self, chain: list[tuple[str, bool]]) -> list[Block]:
+        """The arrays of the chain's blocks, read and checked by the reader
+        threads, up to the first that fails its checks or differs in layout
+        from the first (it is removed)."""
+        reads = [self._readers.submit(read_block, self._path(key)) for key, _ in chain]
+        blocks: list[Block] = []
+        for (key, known), read in zip(chain, reads):
             try:
-                data = path.read_bytes()
-                blocks.append(decode_block(data))
+                block = read.result()
+                if blocks and block.layout != blocks[0].layout:
+                    raise CorruptBlock("its layout is not its chain's")
             except (OSError, CorruptBlock) as e:
-                log.warning("dropping prefix-cache block %s: %s", path.name, e)
+                log.warning("dropping prefix-cache block %s: %s", self._path(key).name, e)
                 self._forget(key)
+                for later in reads:
+                    later.cancel()
                 break
+            blocks.append(block)
             if not known:
                 with self._lock:
-                    self._files[key] = len(data)
-                    self.nbytes += len(data)
-        if not blocks or len(blocks) * BLOCK_TOKENS <= beyond:
-            return None, 0
-        layers = len(blocks[0]) // 2
-        cache = []
-        for layer in range(layers):
-            c = KVCache()
-            c.keys = mx.concatenate([b[2 * layer] for b in blocks], axis=2)
-            c.values = mx.concatenate([b[2 * layer + 1] for b in blocks], axis=2)
-            c.offset = c.keys.shape[2]
-            cache.append(c)
-        mx.eval([(c.keys, c.values) for c in cache])
-        self.restored_tokens += len(blocks) * BLOCK_TOKENS
-        return cache, len(blocks) * BLOCK_TOKENS
+                    self._files[key] = block.file_bytes
+                    self.nbytes += block.file_bytes
+        return blocks
+
+    def _assemble(self, blocks: list[Block]) -> list[mx.array]:
+        """Each of the blocks' arrays whole, for the whole chain: the reader
+        threads copy every block into its place, then MLX takes one copy of each."""
+        layout = blocks[0].layout
+        whole = [np.empty((*a.shape[:2], len(blocks) * BLOCK_TOKENS, a.shape[3]), np.uint8) for a in blocks[0].arrays]
+
+        def place(index: int) -> None:
+            for target, array in zip(whole, blocks[index].arrays):
+                target[:, :, index * BLOCK_TOKENS:(index + 1) * BLOCK_TOKENS] = array
+
+        list(self._readers.map(place, range(len(blocks))))
+        blocks.clear()  # the files' contents
+        return [mx.array(a).view(DTYPES[name]) for a, name in zip(whole, layout.dtypes, strict=True)]
 
     def save(self, tokens: Sequence[int], cache: list) -> None:
         """Queue for writing the blocks of `tokens` not on disk yet, from
@@ -186,12 +238,13 @@ class DiskCache:
                 self._queued_bytes += size
                 self._queued.add(key)
             mx.eval(arrays)
-            self._pending.put((key, encode_block(arrays), size))
+            self._pending.put((key, block_payload(arrays), size))
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer."""
+        """Write what is queued, then stop the writer and the readers."""
         self._pending.put(None)
         self._writer.join()
+        self._readers.shutdown()
 
     def _path(self, key: str) -> Path:
         return self.directory / (key + SUFFIX)
@@ -203,13 +256,14 @@ class DiskCache:
 
     def _write_loop(self) -> None:
         while (item := self._pending.get()) is not None:
-            key, data, size = item
+            key, payload, size = item
+            parts = block_file(payload)
             path = self._path(key)
             temporary = path.with_suffix(f".{os.getpid()}.tmp")  # replicas of a model may share the directory
             try:
                 fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 with os.fdopen(fd, "wb") as f:
-                    f.write(data)
+                    f.writelines(parts)
                 os.replace(temporary, path)
             except OSError as e:
                 log.warning("could not write prefix-cache block %s: %s", path.name, e)
@@ -221,8 +275,8 @@ class DiskCache:
             with self._lock:
                 self._queued_bytes -= size
                 self._queued.discard(key)
-                self._files[key] = len(data)
-                self.nbytes += len(data)
+                self._files[key] = sum(map(len, parts))
+                self.nbytes += self._files[key]
                 evicted = []
                 while self.nbytes > self.budget and self._files:
                     old, old_size = self._files.popitem(last=False)

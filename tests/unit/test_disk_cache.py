@@ -4,9 +4,10 @@ of keys, evicted least recently used first, dropped when damaged."""
 from __future__ import annotations
 
 import mlx.core as mx
+import pytest
 from mlx_lm.models.cache import KVCache
 
-from worker.disk_cache import BLOCK_TOKENS, DiskCache
+from worker.disk_cache import BLOCK_TOKENS, DiskCache, chain_keys
 
 IDENTITY = b"model-a"
 
@@ -66,14 +67,32 @@ def test_the_least_recently_used_blocks_go_past_the_budget(tmp_path):
     assert DiskCache(tmp_path / "kv", 2 * block, IDENTITY).restore(tokens, 0) == (None, 0)
 
 
-def test_a_damaged_or_foreign_block_ends_the_chain_and_is_removed(tmp_path):
+def garbage(path, _tokens) -> None:
+    path.write_bytes(b"not a block at all")
+
+
+def truncated(path, _tokens) -> None:
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def of_another_layout(path, tokens) -> None:
+    """A sound file (its checksum holds) whose arrays are not its chain's shape."""
+    other = path.parent.parent / "other"
+    c = KVCache()
+    c.update_and_fetch(mx.zeros((1, 1, len(tokens), 8)), mx.zeros((1, 1, len(tokens), 8)))
+    written(other, 1 << 30, tokens, [c])
+    path.write_bytes((other / path.name).read_bytes())
+
+
+@pytest.mark.parametrize("damage", [garbage, truncated, of_another_layout])
+def test_a_damaged_or_foreign_block_ends_the_chain_and_is_removed(tmp_path, damage):
     tokens = list(range(3 * BLOCK_TOKENS))
-    written(tmp_path, 1 << 30, tokens, kv_cache(len(tokens)))
-    foreign = sorted(tmp_path.glob("*.kv"))[1]  # one of the three, wherever it is in the chain
-    foreign.write_bytes(b"not a block at all")
-    _, length = DiskCache(tmp_path, 1 << 30, IDENTITY).restore(tokens, 0)
-    assert length < 3 * BLOCK_TOKENS
-    assert not foreign.exists()
+    written(tmp_path / "kv", 1 << 30, tokens, kv_cache(len(tokens)))
+    chain = [tmp_path / "kv" / f"{key}.kv" for key in chain_keys(IDENTITY, tokens)]
+    damage(chain[1], tokens)
+    restored, length = DiskCache(tmp_path / "kv", 1 << 30, IDENTITY).restore(tokens, 0)
+    assert length == BLOCK_TOKENS and restored is not None and restored[0].keys.shape[2] == BLOCK_TOKENS
+    assert not chain[1].exists() and chain[0].exists()
 
 
 def test_workers_sharing_a_directory_read_each_others_blocks(tmp_path):
