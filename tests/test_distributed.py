@@ -17,8 +17,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, free_port, running, wait_for
+from tests.reference import Reference
 from tests.test_embeddings import expected as expected_embedding
 from tests.test_restarts import StreamReader
+from tests.tiny_model import make_tiny_model
 
 PROMPTS = [
     "The quick brown fox",
@@ -50,6 +52,10 @@ def complete(server: Server, prompt: str, max_tokens: int = 24) -> dict:
     return r.json()
 
 
+def parameter_bytes(module) -> int:
+    return sum(a.nbytes for _, a in tree_flatten(module.parameters()))
+
+
 def ranks_of(server: Server) -> list[dict]:
     return server.health()["worker"].get("ranks", [])
 
@@ -68,7 +74,7 @@ def test_the_group_is_one_worker_of_two_ranks(group, reference):
     wait_for(lambda: "affinity" in group.health()["worker"], 5, "rank 0's first heartbeat")
     assert group.health()["worker"]["affinity"]["off_main_thread"] == 0
     # Its weights are its ranks' summed: half of every layer each, the embeddings and head on both.
-    whole = sum(a.nbytes for _, a in tree_flatten(reference.model.parameters()))
+    whole = parameter_bytes(reference.model)
     assert whole < worker["weights_bytes"] < 2 * whole
     (ledger,) = group.health()["pool"]["models"].values()
     assert ledger["memory"]["weights"] == worker["weights_bytes"]
@@ -87,6 +93,28 @@ def test_a_prompt_longer_than_a_prefill_chunk_equals_one_process(group, referenc
     answer = complete(group, LONG_PROMPT, 16)
     assert answer["usage"]["prompt_tokens"] == len(prompt)
     assert answer["choices"][0]["text"] == reference.greedy(prompt, 16, ignore_eos=True).text
+
+
+def test_pipeline_sharding_equals_one_process(tmp_path_factory):
+    """--sharding pipeline: each rank holds a run of the layers (mlx-lm's
+    pipeline() of qwen2) and passes its hidden state on to the next rank."""
+    model = make_tiny_model(tmp_path_factory.mktemp("models") / "qwen2", model_type="qwen2", layers=4,
+                            weight_index=True)
+    reference = Reference(model)
+    with running(group_args(model, "--sharding", "pipeline"), tmp_path_factory.mktemp("pipeline") / "serve.log") \
+            as server:
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            answers = list(pool.map(lambda p: complete(server, p)["choices"][0]["text"], PROMPTS))
+        for prompt, answer in zip(PROMPTS, answers):
+            assert answer == reference.greedy(reference.text_prompt(prompt), 24, ignore_eos=True).text
+        long_prompt = reference.text_prompt(LONG_PROMPT)
+        assert complete(server, LONG_PROMPT, 16)["choices"][0]["text"] == \
+            reference.greedy(long_prompt, 16, ignore_eos=True).text
+        # Each rank holds its layers whole, and both the embeddings, the final norm and the head (tensor
+        # sharding would hold every layer's norms twice too).
+        shared = reference.model.model.embed_tokens, reference.model.model.norm, reference.model.lm_head
+        assert server.health()["worker"]["weights_bytes"] == \
+            parameter_bytes(reference.model) + sum(map(parameter_bytes, shared))
 
 
 def test_sampled_requests_agree_across_ranks(group):

@@ -1,4 +1,4 @@
-"""A tiny random-weight llama model with a tokenizer trained on the spot.
+"""A tiny random-weight llama (or qwen2) model with a tokenizer trained on the spot.
 
 Real MLX, real mlx-lm loading, real HF tokenizer files and chat template;
 small enough to build in well under a second and decode at hundreds of
@@ -7,12 +7,12 @@ tokens/s on a CPU.
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models import llama
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 CORPUS = [
@@ -56,6 +56,8 @@ def make_tiny_model(
     hidden: int = 64,
     context: int = 2048,
     logit_scale: float = 8.0,
+    model_type: str = "llama",
+    weight_index: bool = False,
 ) -> Path:
     """Write a loadable mlx-lm model directory at `path` and return it.
 
@@ -63,6 +65,11 @@ def make_tiny_model(
     apart: batched and single-request decoding round floats differently, and
     a near-tie would make their outputs differ for reasons unrelated to the
     server.
+
+    model_type: an mlx-lm architecture with llama's parameters (qwen2 adds
+    attention biases and can be split by layers: pipeline()). weight_index
+    writes the model.safetensors.index.json a sharded checkpoint has, which
+    mlx-lm's pipeline loading reads.
     """
     path.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
@@ -84,7 +91,7 @@ def make_tiny_model(
         )
     )
     config = {
-        "model_type": "llama",
+        "model_type": model_type,
         "hidden_size": hidden,
         "num_hidden_layers": layers,
         "intermediate_size": hidden * 2,
@@ -99,7 +106,12 @@ def make_tiny_model(
     }
     (path / "config.json").write_text(json.dumps(config))
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    architecture = importlib.import_module(f"mlx_lm.models.{model_type}")
+    model = architecture.Model(architecture.ModelArgs.from_dict(config))
     model.lm_head.weight = model.lm_head.weight * logit_scale
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    if weight_index:
+        index = {"metadata": {}, "weight_map": {name: "model.safetensors" for name in weights}}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
     return path
