@@ -6,12 +6,14 @@ single-process output, token for token."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import subprocess
 from pathlib import Path
 
 import httpx
+import jsonschema
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -20,6 +22,7 @@ from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, free_port, running, w
 from tests.reference import Reference
 from tests.test_embeddings import expected as expected_embedding
 from tests.test_restarts import StreamReader
+from tests.test_structured import ASK, SCHEMA, json_schema_format
 from tests.tiny_model import make_tiny_model
 
 PROMPTS = [
@@ -115,6 +118,26 @@ def test_pipeline_sharding_equals_one_process(tmp_path_factory):
         shared = reference.model.model.embed_tokens, reference.model.model.norm, reference.model.lm_head
         assert server.health()["worker"]["weights_bytes"] == \
             parameter_bytes(reference.model) + sum(map(parameter_bytes, shared))
+
+
+def test_structured_output_and_logprobs_equal_one_process(group, server):
+    """Every rank runs the grammar engine and the logprobs as one worker does:
+    a schema-constrained answer equals a single worker's, and so do an
+    answer's top logprobs (to the rounding of a sum over two shards)."""
+    body = {"model": MODEL_NAME, "messages": ASK, "max_tokens": 120, "temperature": 0,
+            "response_format": json_schema_format(SCHEMA)}
+    mine, theirs = (s.http.post("/v1/chat/completions", json=body).json()["choices"][0] for s in (group, server))
+    assert mine["message"]["content"] == theirs["message"]["content"]
+    jsonschema.validate(json.loads(mine["message"]["content"]), SCHEMA)
+    body = {"model": MODEL_NAME, "messages": ASK, "max_tokens": 16, "temperature": 0, "logprobs": True,
+            "top_logprobs": 3, "ignore_eos": True}
+    mine, theirs = (s.http.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]["content"]
+                    for s in (group, server))
+    assert len(mine) == 16
+    for a, b in zip(mine, theirs, strict=True):
+        assert [t["token"] for t in a["top_logprobs"]] == [t["token"] for t in b["top_logprobs"]]
+        np.testing.assert_allclose([t["logprob"] for t in a["top_logprobs"]],
+                                   [t["logprob"] for t in b["top_logprobs"]], rtol=0, atol=1e-4)
 
 
 def test_sampled_requests_agree_across_ranks(group):
