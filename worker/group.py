@@ -158,7 +158,8 @@ def _watch(ranks: list[RankProcess], parent_pid: int | None) -> int:
             break
         time.sleep(POLL_S)
     first = exited[0]
-    if first.process.returncode == 0:  # rank 0 ended a drain and told the others to exit
+    stopping = first.process.returncode == 0  # rank 0 is done (a drain, a refusal) and told the others to exit
+    if stopping:
         deadline = time.monotonic() + FOLLOW_S
         while any(r.process.poll() is None for r in ranks) and time.monotonic() < deadline:
             time.sleep(POLL_S)
@@ -169,6 +170,7 @@ def _watch(ranks: list[RankProcess], parent_pid: int | None) -> int:
         r.kill()
     for r in ranks:
         r.process.wait()
-    status = first.process.returncode
+    # A stop's status is rank 0's: another rank may have exited first, at its word.
+    status = ranks[0].process.returncode if stopping else first.process.returncode
     # A status of a signal (negative here) reads as a crash to the supervisor, as a shell reports it.
     return status if status >= 0 else 128 - status
