@@ -80,6 +80,9 @@ class Charge:
     weights: int  # measured by its worker once loaded, else weights_on_disk
     prefix_cache: int  # its workers' --prefix-cache-bytes
     kv_reserved: int = 0  # the KV reservations of its admitted requests
+    # The machines its worker's ranks run on (--distributed-hosts): the figures
+    # here are the group's, summed over its ranks, and each machine holds a share.
+    hosts: int = 1
 
     @property
     def fixed(self) -> int:
@@ -89,6 +92,20 @@ class Charge:
     @property
     def total(self) -> int:
         return self.fixed + self.kv_reserved
+
+    def here(self, nbytes: int) -> int:
+        """What this machine holds of `nbytes` of the model's memory: all of
+        it, or a group's even share (its ranks split the model). The budget
+        is this machine's."""
+        return -(-nbytes // self.hosts)
+
+    @property
+    def fixed_here(self) -> int:
+        return self.here(self.fixed)
+
+    @property
+    def total_here(self) -> int:
+        return self.here(self.total)
 
     def as_dict(self) -> dict[str, int]:
         return {"weights": self.weights, "prefix_cache": self.prefix_cache, "kv_reserved": self.kv_reserved,

@@ -34,7 +34,7 @@ from gateway.ledger import Charge, weights_on_disk
 from gateway.supervisor import WorkerSupervisor
 from gateway.worker_link import WorkerLink
 from protocol.units import format_size
-from protocol.worker_settings import WorkerSettings, announced_name, model_source
+from protocol.worker_settings import WorkerSettings, announced_name, group_hosts, model_source
 
 log = logging.getLogger("mlxd.gateway.pool")
 
@@ -124,7 +124,9 @@ class ModelPool:
             name = served_model_name[0] if served_model_name else announced_name(ws)
             self.models[name] = PooledModel(
                 name, WorkerSupervisor(ws, link, stop_timeout_s),
-                Charge(weights_on_disk(model_source(ws)), ws.prefix_cache_bytes), pinned=name in pinned)
+                # A group's ranks each keep a prefix cache about as large as rank 0's.
+                Charge(weights_on_disk(model_source(ws)), ws.prefix_cache_bytes * group_hosts(ws), hosts=group_hosts(ws)),
+                pinned=name in pinned)
         unknown = set(pinned) - set(self.models)
         if unknown:
             raise ValueError(f"--pin {', '.join(sorted(unknown))}: not a served model ({', '.join(self.models)})")
@@ -152,7 +154,7 @@ class ModelPool:
         for m in self.models.values():
             if m.pinned or self.preload:
                 async with self._lock:
-                    if self._room_for(m, m.charge.fixed, idle_only=True) != []:
+                    if self._room_for(m, m.charge.fixed_here, idle_only=True) != []:
                         if m.pinned:
                             raise Unavailable(f"the pinned model {m.name} does not fit: {self._why_no_room(m)}")
                         log.warning("--preload: %s is left unloaded: %s", m.name, self._why_no_room(m))
@@ -196,9 +198,9 @@ class ModelPool:
         """Charge a request's KV state to its model, unloading idle models to
         make room; Unavailable if the budget cannot hold it now."""
         async with self._lock:
-            victims = self._room_for(m, m.charge.total + nbytes, idle_only=True)
+            victims = self._room_for(m, m.charge.here(m.charge.total + nbytes), idle_only=True)
             if victims is None:
-                never = nbytes + m.charge.fixed > self.budget
+                never = m.charge.here(nbytes + m.charge.fixed) > self.budget
                 raise Unavailable(
                     f"the request's KV reservation ({format_size(nbytes)}: its prompt plus max_tokens) does not fit "
                     f"in the memory budget ({format_size(self.budget)}, {format_size(self.used)} in use)"
@@ -278,7 +280,7 @@ class ModelPool:
 
     @property
     def used(self) -> int:
-        return sum(charge.total for m in self.models.values() if (charge := self.charge(m.name)) is not None)
+        return sum(charge.total_here for m in self.models.values() if (charge := self.charge(m.name)) is not None)
 
     def ledger(self) -> dict:
         """The budget, what is used, and each model's state and charge (/health's `pool`)."""
@@ -312,20 +314,20 @@ class ModelPool:
         return any(w.ready and name in w.names and w.hello.pid not in local for w in self.link.workers.values())
 
     def _used_without(self, m: PooledModel) -> int:
-        return sum(o.charge.total for o in self.models.values() if o.running and o is not m)
+        return sum(o.charge.total_here for o in self.models.values() if o.running and o is not m)
 
     async def _load(self, m: PooledModel, deadline: float) -> None:
         while True:
             async with self._lock:
                 if m.running:
                     return
-                victims = self._room_for(m, m.charge.fixed, idle_only=True)
+                victims = self._room_for(m, m.charge.fixed_here, idle_only=True)
                 if victims is not None:
                     for victim in victims:
                         await self._stop(victim, f"making room for {m.name}")
                     await self._start(m)
                     return
-                if self._room_for(m, m.charge.fixed, idle_only=False) is None:
+                if self._room_for(m, m.charge.fixed_here, idle_only=False) is None:
                     raise Unavailable(f"the model {m.name} cannot load: {self._why_no_room(m)}")
                 changed = self._changed
             try:
@@ -344,30 +346,30 @@ class ModelPool:
         candidates = sorted((o for o in others if not o.pinned and (o.users == 0 or not idle_only)),
                             key=lambda o: o.last_used)
         victims: list[PooledModel] = []
-        loaded, used = len(others) + 1, sum(o.charge.total for o in others)
+        loaded, used = len(others) + 1, sum(o.charge.total_here for o in others)
         while loaded > self.max_loaded or used + need > self.budget:
             if not candidates:
                 return None
             victim = candidates.pop(0)
             victims.append(victim)
             loaded -= 1
-            used -= victim.charge.total
+            used -= victim.charge.total_here
         return victims
 
     def _why_no_room(self, m: PooledModel) -> str:
-        if m.charge.fixed > self.budget:
-            return (f"it needs {format_size(m.charge.fixed)} (weights and prefix cache), more than the memory budget "
-                    f"of {format_size(self.budget)}")
+        if m.charge.fixed_here > self.budget:
+            return (f"it needs {format_size(m.charge.fixed_here)} (weights and prefix cache), more than the "
+                    f"memory budget of {format_size(self.budget)}")
         running = [o.name for o in self.models.values() if o.running and o is not m]
         return (f"{len(running)} of at most {self.max_loaded} models loaded ({', '.join(running) or 'none'}), "
                 f"{format_size(self._used_without(m))} of the {format_size(self.budget)} budget in use; "
-                f"it needs {format_size(m.charge.fixed)}")
+                f"it needs {format_size(m.charge.fixed_here)}")
 
     async def _start(self, m: PooledModel, at_start: bool = False) -> None:
         """Start the model's worker, its MLX memory limit set to what the budget
         leaves it. A model that cannot load at start ends the server; later, it
         fails the requests waiting for it."""
-        share = max(self.budget - self._used_without(m), m.charge.fixed)
+        share = max(self.budget - self._used_without(m), m.charge.fixed_here)
         m.supervisor.settings = msgspec.structs.replace(m.supervisor.settings, memory_limit_bytes=share)
         m.supervisor.on_fatal = self.on_fatal if at_start else (lambda reason: self._load_failed(m, reason))
         m.failure = None

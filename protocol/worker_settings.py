@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Annotated, Literal
@@ -109,6 +110,20 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
         Meta(description="how the group splits the model: tensor (every layer across the ranks) or pipeline "
                          "(a run of layers per rank)"),
     ] = "tensor"
+
+
+def group_hosts(settings: WorkerSettings) -> int:
+    """The machines a worker's model is split across: its --distributed-hosts
+    (a comma-separated list, or a JSON hostfile's entries), else 1."""
+    spec = settings.distributed_hosts
+    if not spec:
+        return 1
+    if spec.endswith(".json"):
+        try:
+            return max(1, len(json.loads(Path(spec).read_text())))
+        except (OSError, ValueError, TypeError):
+            return 1  # the worker says what is wrong with it when it starts
+    return max(1, len([host for host in spec.split(",") if host.strip()]))
 
 
 def split_model(value: str) -> tuple[str, str]:

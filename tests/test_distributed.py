@@ -120,6 +120,22 @@ def test_pipeline_sharding_equals_one_process(tmp_path_factory):
             parameter_bytes(reference.model) + sum(map(parameter_bytes, shared))
 
 
+def test_a_model_over_this_machines_budget_loads_as_a_group(tiny_model, tmp_path, reference):
+    """The memory budget is this machine's, and a group's ranks split the
+    model: the pool charges this machine its share, so a model one byte
+    larger than the budget loads and serves. The pool still shows the
+    group's whole memory."""
+    size = (tiny_model / "model.safetensors").stat().st_size
+    args = group_args(tiny_model, "--memory-budget", str(size - 1), "--prefix-cache-bytes", "0")
+    with running(args, tmp_path / "serve.log") as server:
+        assert complete(server, PROMPTS[0])["choices"][0]["text"] == \
+            reference.greedy(reference.text_prompt(PROMPTS[0]), 24, ignore_eos=True).text
+        pool = server.health()["pool"]
+        (entry,) = pool["models"].values()
+        assert entry["memory"]["weights"] == server.health()["worker"]["weights_bytes"] > pool["budget"]
+        assert 0 < pool["used"] <= pool["budget"]
+
+
 def test_structured_output_and_logprobs_equal_one_process(group, server):
     """Every rank runs the grammar engine and the logprobs as one worker does:
     a schema-constrained answer equals a single worker's, and so do an
