@@ -248,22 +248,27 @@ def test_a_frozen_rank_is_hung_and_the_group_is_replaced(tiny_model, tmp_path, r
         assert "is hung" in server.log_path.read_text()
 
 
-def test_a_drain_stops_every_rank(tiny_model, tmp_path):
-    """`mlxd worker` as launchd runs it: SIGTERM drains rank 0, which tells
-    rank 1 to exit; the group's process exits 0 with both ranks gone."""
+@pytest.mark.parametrize("stop", ["launchd", "ctrl-c"])
+def test_a_drain_stops_every_rank(tiny_model, tmp_path, stop):
+    """`mlxd worker` stopped by launchd (SIGTERM to it) or by a terminal's
+    Ctrl-C (SIGINT to its whole process group): rank 0 drains and tells rank
+    1 to exit; the group's process exits 0 with both ranks gone."""
     endpoint = f"ipc://{tmp_path}/run/worker.sock"
     gateway = Server(["gateway", "--worker-endpoint", endpoint, "--served-model-name", MODEL_NAME],
                      tmp_path / "gateway.log")
     worker = subprocess.Popen(
         [*MLXD, "worker", "--model", str(tiny_model), "--worker-endpoint", endpoint, "--drain-s", "0.5",
          "--distributed-hosts", "127.0.0.1,127.0.0.1", "--distributed-port", str(free_port())],
-        cwd=ROOT, stdout=open(tmp_path / "worker.log", "wb"), stderr=subprocess.STDOUT,
+        cwd=ROOT, stdout=open(tmp_path / "worker.log", "wb"), stderr=subprocess.STDOUT, process_group=0,
     )
     try:
         gateway.wait_ready()
         ranks = ranks_of(gateway)
         assert gateway.health()["worker"]["pid"] == worker.pid
-        os.kill(worker.pid, signal.SIGTERM)
+        if stop == "launchd":
+            os.kill(worker.pid, signal.SIGTERM)
+        else:
+            os.killpg(worker.pid, signal.SIGINT)
         assert worker.wait(30) == 0
         for r in ranks:
             assert not os.path.exists(f"/proc/{r['pid']}")

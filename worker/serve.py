@@ -255,19 +255,20 @@ class Worker(EngineRunner):
             self.heartbeat,
         )
         heartbeat.start()
-        status = 0
+        status, clean = 0, False
         try:
             while self._keep_running():
                 self._greet()
                 self.handle(self._take_late() + self.receive(self._poll_ms()))
                 if self.engine.has_work:
                     self.step()
+            clean = True
         except GatewayRefused as e:
             log.error("the gateway refused this worker: %s", e)
-            status = 2
+            status, clean = 2, True
         finally:
             heartbeat.stop()
-            self._say_goodbye()
+            self._say_goodbye(clean)
         if self.channel is not None:  # the other ranks wait at this turn's broadcast: they exit too
             self.channel.share(GroupStep(stop=True))
         return status
@@ -301,10 +302,19 @@ class Worker(EngineRunner):
             self.send(self.hello)
             self._next_hello = now + HELLO_RETRY_S
 
-    def _say_goodbye(self) -> None:
-        self.handed_back += self.engine.abort_all()
+    def _say_goodbye(self, clean: bool) -> None:
+        """Hand the unfinished requests back, after a drain or a refusal. After
+        a failure they go back as lost instead: the gateway resumes a request
+        once at most after a loss, and one that failed the worker (a group's
+        step fails the group) must not restart it without end."""
+        if clean:
+            # Adds read after the last step of a drain never reached the engine.
+            late = [m.request_id for m, _ in self._late if isinstance(m, AddRequest)]
+            self.handed_back += self.engine.abort_all() + late
+        else:
+            self.handed_back = []
         if self.handed_back:
             log.info("handing %d unfinished requests back to the gateway", len(self.handed_back))
-        self.send(Goodbye("the worker is stopping", self.handed_back))
+        self.send(Goodbye("the worker is stopping" if clean else "the worker failed", self.handed_back))
         self.socket.close()
         self._context.term()

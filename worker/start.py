@@ -123,6 +123,9 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
     )
     embedder = embedder_for(loaded.model, loaded.path) if not vision else None
     if channel is not None and channel.rank > 0:
+        # A terminal's Ctrl-C reaches every process of its group: rank 0
+        # drains, and tells this rank when to exit.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         return Follower(engine, embedder, channel).run()
     hello = Hello(
         protocol_version=PROTOCOL_VERSION,
