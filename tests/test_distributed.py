@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from protocol import EXIT_LOAD_FAILED
 from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, free_port, running, wait_for
 from tests.reference import Reference
 from tests.test_embeddings import expected as expected_embedding
@@ -286,10 +287,19 @@ def test_a_drain_stops_every_rank(tiny_model, tmp_path, stop):
 def test_hosts_that_make_no_group_are_refused(hosts, message):
     done = subprocess.run([*MLXD, "worker", "--distributed-hosts", hosts], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
-    assert done.returncode == 2 and message in done.stderr
+    assert done.returncode == EXIT_LOAD_FAILED and message in done.stderr
 
 
 def test_jaccl_without_rdma_devices_is_refused():
     done = subprocess.run([*MLXD, "worker", "--distributed-hosts", "10.0.0.1,10.0.0.2",
                            "--distributed-backend", "jaccl"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "RDMA" in done.stderr
+    assert done.returncode == EXIT_LOAD_FAILED and "RDMA" in done.stderr
+
+
+def test_mlxd_serve_stops_with_the_reason_hosts_make_no_group(tiny_model, tmp_path):
+    """Not a crash to retry: the load fails, and `mlxd serve` says why."""
+    done = subprocess.run([*MLXD, "serve", "--preload", "--model", str(tiny_model), "--port", str(free_port()),
+                           "--distributed-hosts", "127.0.0.1"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0 and "at least two hosts" in done.stderr
+    assert "restarting" not in done.stderr

@@ -29,14 +29,13 @@ from mlx._distributed_utils.launch import RemoteProcess
 
 from protocol.settings import to_arguments
 from protocol.worker_settings import WorkerSettings
+from worker.start import GROUP_PID_ENV, load_failed
 
 log = logging.getLogger("mlxd.worker.group")
 
 POLL_S = 0.1
 # After rank 0 exits cleanly, the others have this long to follow its stop.
 FOLLOW_S = 5.0
-# Rank 0 learns the pid the gateway knows this worker by (it kills a hung one by it).
-GROUP_PID_ENV = "MLXD_GROUP_PID"
 
 
 class GroupError(ValueError):
@@ -127,9 +126,8 @@ def run_group(settings: WorkerSettings) -> int:
     try:
         hosts = hostfile_of(settings)
         files, env = rank_environment(settings, hosts)
-    except GroupError as e:
-        log.error("%s", e)
-        return 2
+    except GroupError as e:  # told to the gateway as a load failure: retrying cannot mend it
+        return load_failed(settings, str(e))
     log.info("starting a %s group of %d ranks (%s sharding) on %s", settings.distributed_backend, len(hosts.hosts),
              settings.sharding, ", ".join(h.ssh_hostname for h in hosts.hosts))
     local = [is_local(rank, host) for rank, host in enumerate(hosts.hosts)]

@@ -30,7 +30,6 @@ from worker.embed import embedder_for
 from worker.engine import Engine
 from worker.footprint import kv_footprint, set_limits, weights_bytes
 from worker.grammar import Grammars
-from worker.group import GROUP_PID_ENV
 from worker.model import LoadedModel, Sharding, load_model
 from worker.model_source import ModelNotFound
 from worker.prefix_cache import PrefixCache
@@ -42,6 +41,9 @@ log = logging.getLogger("mlxd.worker")
 
 # How long a worker that cannot load its model tries to tell the gateway why.
 LOAD_FAILED_DELIVERY_MS = 2000
+# Rank 0 of a group learns the pid the gateway knows the worker by, its
+# launcher's (worker/group.py): a hung group is killed by it.
+GROUP_PID_ENV = "MLXD_GROUP_PID"
 
 
 def load_failed(settings: WorkerSettings, reason: str) -> int:
