@@ -202,8 +202,7 @@ class DiskCache:
             blocks.append(block)
             if not known:
                 with self._lock:
-                    self._files[key] = block.file_bytes
-                    self.nbytes += block.file_bytes
+                    self._count(key, block.file_bytes)
         return blocks
 
     def _assemble(self, blocks: list[Block]) -> list[mx.array]:
@@ -249,6 +248,13 @@ class DiskCache:
     def _path(self, key: str) -> Path:
         return self.directory / (key + SUFFIX)
 
+    def _count(self, key: str, size: int) -> None:
+        """A file on disk, most recently used; under the lock. It may be
+        counted already: a restore can find a block another worker wrote
+        while this one's writer writes the same."""
+        self.nbytes += size - self._files.pop(key, 0)
+        self._files[key] = size
+
     def _forget(self, key: str) -> None:
         with self._lock:
             self.nbytes -= self._files.pop(key, 0)
@@ -275,8 +281,7 @@ class DiskCache:
             with self._lock:
                 self._queued_bytes -= size
                 self._queued.discard(key)
-                self._files[key] = sum(map(len, parts))
-                self.nbytes += self._files[key]
+                self._count(key, sum(map(len, parts)))
                 evicted = []
                 while self.nbytes > self.budget and self._files:
                     old, old_size = self._files.popitem(last=False)
