@@ -48,6 +48,7 @@ MAGIC = b"mlxd-kv1"
 SUFFIX = ".kv"
 READERS = min(8, os.cpu_count() or 1)
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+ITEM_BYTES = {name: dtype.size for name, dtype in DTYPES.items()}  # for the reader threads, which keep off MLX
 
 
 class CorruptBlock(ValueError):
@@ -109,7 +110,7 @@ def read_block(path: Path) -> Block:
         for shape, name in zip(layout.shapes, layout.dtypes, strict=True):
             if len(shape) != 4 or shape[2] != BLOCK_TOKENS or min(shape) < 0:
                 raise ValueError(f"not a block's KV shape: {shape}")
-            width = DTYPES[name].size
+            width = ITEM_BYTES[name]
             nbytes = math.prod(shape) * width
             arrays.append(np.frombuffer(body, np.uint8, nbytes, offset).reshape(*shape[:3], shape[3] * width))
             offset += nbytes
