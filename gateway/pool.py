@@ -122,10 +122,10 @@ class ModelPool:
         self.aliases = {alias: served_model_name[0] for alias in served_model_name[1:]}
         for ws in worker_settings:
             name = served_model_name[0] if served_model_name else announced_name(ws)
+            hosts = group_hosts(ws)  # a group's ranks each keep a prefix cache about as large as rank 0's
             self.models[name] = PooledModel(
                 name, WorkerSupervisor(ws, link, stop_timeout_s),
-                # A group's ranks each keep a prefix cache about as large as rank 0's.
-                Charge(weights_on_disk(model_source(ws)), ws.prefix_cache_bytes * group_hosts(ws), hosts=group_hosts(ws)),
+                Charge(weights_on_disk(model_source(ws)), ws.prefix_cache_bytes * hosts, hosts=hosts),
                 pinned=name in pinned)
         unknown = set(pinned) - set(self.models)
         if unknown:

@@ -4,7 +4,7 @@
 
 The KV state of a Qwen2.5-0.5B-shaped model (24 layers, 2 KV heads of 64,
 bfloat16: 12 KiB a token) for --tokens tokens of random values is written by
-worker.disk_cache (256-token blocks), then read back --repeats times by a new
+worker.disk_cache (in blocks of BLOCK_TOKENS), then read back --repeats times by a new
 DiskCache on the same directory, as a worker after a restart does; the files
 are in the page cache, as they are after the first read. Reported: the
 median and the fastest read, and its rate. This is the part of a turn served
@@ -27,7 +27,7 @@ load_fast_blas()
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from worker.disk_cache import DiskCache  # noqa: E402
+from worker.disk_cache import BLOCK_TOKENS, DiskCache  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 24, 2, 64
 IDENTITY = b"bench"
@@ -55,7 +55,7 @@ def main() -> None:
             started = time.perf_counter()
             restored, length = reader.restore(tokens, 0)
             times.append(time.perf_counter() - started)
-            assert restored is not None and length == args.tokens // 256 * 256
+            assert restored is not None and length == args.tokens // BLOCK_TOKENS * BLOCK_TOKENS
             del restored
         reader.close()
         megabytes = reader.nbytes / 1e6
