@@ -303,16 +303,15 @@ class Worker(EngineRunner):
             self._next_hello = now + HELLO_RETRY_S
 
     def _say_goodbye(self, clean: bool) -> None:
-        """Hand the unfinished requests back, after a drain or a refusal. After
-        a failure they go back as lost instead: the gateway resumes a request
-        once at most after a loss, and one that failed the worker (a group's
-        step fails the group) must not restart it without end."""
+        """Hand back the requests that never reached the engine (crossed a
+        Draining, or read after the last step), and the engine's own after a
+        drain or a refusal. After a failure the engine's go back as lost: the
+        gateway resumes a request once at most after a loss, and one that
+        failed the worker (a group's step fails the group) must not restart
+        it without end."""
+        self.handed_back += [m.request_id for m, _ in self._late if isinstance(m, AddRequest)]
         if clean:
-            # Adds read after the last step of a drain never reached the engine.
-            late = [m.request_id for m, _ in self._late if isinstance(m, AddRequest)]
-            self.handed_back += self.engine.abort_all() + late
-        else:
-            self.handed_back = []
+            self.handed_back += self.engine.abort_all()
         if self.handed_back:
             log.info("handing %d unfinished requests back to the gateway", len(self.handed_back))
         self.send(Goodbye("the worker is stopping" if clean else "the worker failed", self.handed_back))
