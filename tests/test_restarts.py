@@ -299,6 +299,13 @@ def freeze_main_thread(pid: int) -> None:
             pytest.skip(f"ptrace not permitted here (errno {ctypes.get_errno()})")
 
 
+def killed_tracee(pid: int) -> bool:
+    """Reap one report of the traced thread; True once it is its death (the
+    interrupt's stop is reported first and must not be taken for it)."""
+    reported, status = os.waitpid(pid, WALL | os.WNOHANG)
+    return reported == pid and os.WIFSIGNALED(status)
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="PTRACE_INTERRUPT is Linux's")
 def test_hung_worker_is_detected_killed_and_replaced(tiny_model, tmp_path, expected):
     server = Server(["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME,
@@ -313,12 +320,12 @@ def test_hung_worker_is_detected_killed_and_replaced(tiny_model, tmp_path, expec
         # Heartbeats keep coming, the step counter does not move: hung, never
         # unresponsive (and killed by the supervisor right away, so the state
         # lasts too short a time to be polled from /health: the log has it).
-        wait_for(lambda: f"worker pid {pid}: ready -> hung" in server.log_path.read_text(), 5,
-                 "the worker to be called hung")
+        wait_for(lambda: f"worker pid {pid}: ready -> hung" in server.log_path.read_text(), 10,
+                 lambda: f"the worker to be called hung; the log ends:\n{server.log_path.read_text()[-3000:]}")
         assert "unresponsive" not in server.log_path.read_text()
         # The supervisor kills it; as its tracer, the test must reap that
         # death before the supervisor can see it.
-        wait_for(lambda: os.waitpid(pid, WALL | os.WNOHANG)[0] == pid, 10, "the hung worker to be killed")
+        wait_for(lambda: killed_tracee(pid), 10, "the hung worker to be killed")
         reader.join(60)
         assert reader.failure is None and reader.errors == [] and reader.done
         assert reader.text == expected
