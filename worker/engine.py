@@ -19,6 +19,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from protocol import AddRequest, PrefixCacheStats, RequestOutput, TokenLogprob
 from worker.grammar import GrammarError, Grammars
+from worker.joins import fold_joins
 from worker.prefix_cache import PrefixCache
 from worker.sampling import make_sampler
 from worker.vision import VisionPrefill, images_key
@@ -88,6 +89,7 @@ class Engine:
             prefill_batch_size=min(prefill_batch_size, capacity),
             prefill_step_size=prefill_step_size,
         )
+        fold_joins(self._generator)
         self._requests: dict[str, Admitted] = {}
         self._by_uid: dict[int, Admitted] = {}
         # Requests with images whose prompt is prefilled a piece per step

@@ -1,0 +1,98 @@
+"""Requests join mlx-lm's running batch without a forward pass of their own.
+
+mlx-lm's BatchGenerator moves a prefilled request into generation by running
+the model once on its last prompt token, alone, in the step it joins: a
+second forward pass in that step, which costs about as much as the batch's
+own (a decode step is bound by reading the weights, not by its rows). Every
+running stream waits for it; a vision request joining after its chunked
+prefill doubled the text streams' gap. Here the joining rows enter the
+running batch with that last token as their next input, so the batch's next
+step computes it with everyone else's. That step returns the prompt's last
+token for them, which is not generated and is dropped here: a joining
+request's first token comes one step later, and nobody's step grows.
+
+Tied to mlx-lm's batch internals (mlx-lm is pinned; the engine's parity
+tests against mlx-lm cover this path).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch, StopSequences
+
+# The log-probabilities of the step that returns a joining row's last prompt
+# token; that step's output for the row is dropped, so nothing reads them.
+_UNREAD = mx.array(0.0)
+
+
+class _PromptEndUnseen(StopSequences.Matcher):
+    """A stop matcher that lets the row's first returned token (its last
+    prompt token) pass, as mlx-lm's own join never shows it to the matcher."""
+
+    def __init__(self, matcher: StopSequences.Matcher) -> None:
+        super().__init__(matcher._root)
+        self._prompt_end = True
+
+    def advance(self, token: int) -> bool:
+        if self._prompt_end:
+            self._prompt_end = False
+            return False
+        return super().advance(token)
+
+
+class _Joining(GenerationBatch):
+    """Rows about to join, built without GenerationBatch's first step."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        n = len(self.uids)
+        self._next_logprobs = [_UNREAD] * n
+        self._num_tokens = [-1] * n  # the prompt's last token, returned first, is not counted
+        self._matchers = [_PromptEndUnseen(m) for m in self._matchers]
+
+    def _step(self) -> tuple[list[int], list[mx.array]]:
+        return [], []  # only ever called by __init__: the running batch steps these rows
+
+
+class _Prompts(PromptProcessingBatch):
+    """mlx-lm's prompt batch, handing over rows as _Joining."""
+
+    def generate(self, tokens: list[list[int]]) -> GenerationBatch:
+        if any(len(t) > 1 for t in tokens):
+            self.prompt([t[:-1] for t in tokens])
+        joining = _Joining(
+            self.model, self.uids, mx.array([t[-1] for t in tokens], dtype=mx.uint32), self.prompt_cache,
+            self.tokens, self.samplers, self.fallback_sampler, self.logits_processors, self.stop_sequences,
+            self.max_tokens,
+        )
+        self.uids, self.prompt_cache, self.tokens = [], [], []
+        self.samplers, self.logits_processors, self.max_tokens = [], [], []
+        return joining
+
+
+class _Running(GenerationBatch):
+    """mlx-lm's running batch, dropping what a joining row's first step returns."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._joined: set[int] = set()
+
+    def extend(self, batch: GenerationBatch) -> None:
+        super().extend(batch)
+        if isinstance(batch, _Joining):
+            self._joined.update(batch.uids)
+
+    def next(self) -> list[GenerationBatch.Response]:
+        responses = super().next()
+        if self._joined:
+            responses = [r for r in responses if r.uid not in self._joined]
+            self._joined.clear()
+        return responses
+
+
+def fold_joins(generator: BatchGenerator) -> None:
+    """Make a new (empty) BatchGenerator's joining requests ride its decode steps."""
+    generator._prompt_batch = _Prompts.empty(
+        generator.model, generator.sampler, prefill_step_size=generator.prefill_step_size
+    )
+    generator._generation_batch = _Running.empty(generator.model, generator.sampler)
