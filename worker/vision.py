@@ -22,7 +22,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections import OrderedDict
+import statistics
+from collections import OrderedDict, deque
 from collections.abc import Generator, Sequence
 from pathlib import Path
 from time import perf_counter
@@ -47,6 +48,8 @@ VISION_FAMILIES = {"llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "s
 MROPE_FAMILIES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 # The fewest prompt tokens a chunk holds however small its time budget.
 MIN_CHUNK = 32
+# How many of the latest prompt chunks (their sizes and times) size the next.
+TIMED_CHUNKS = 16
 
 
 class UnsupportedVisionModel(ValueError):
@@ -209,6 +212,7 @@ class VisionPrefill:
         self.image_token_id = image_token_id
         self.step_size = step_size
         self.features = features
+        self._chunks: deque[tuple[int, float]] = deque(maxlen=TIMED_CHUNKS)  # (tokens, seconds), any request's
 
     def cache_key(self, prompt: list[int], media_end: int, images: int) -> list[int]:
         """The prefix-cache key of a prompt whose images' key is `images`."""
@@ -259,13 +263,13 @@ class VisionPrefill:
             mx.eval(embeddings, embedded.features)
             if self.features is not None:
                 self.features.put(images, embedded.features)
-        last, pace = len(prompt) - 1, None  # pace: seconds a token took in the latest chunk
+        last = len(prompt) - 1
         for start, end in ((reused, min(media_end, last)), (max(reused, media_end), last)):
             while start < end:
                 if ran:
                     budget = yield
                 ran = True
-                stop = start + self._chunk_size(budget, pace, end - start)
+                stop = start + chunk_size(budget, self._chunks, self.step_size, end - start)
                 began = perf_counter()
                 chunk = {} if embeddings is None or start >= media_end else {"inputs_embeds": embeddings[:, start:stop]}
                 if positions is not None:
@@ -274,7 +278,7 @@ class VisionPrefill:
                     chunk |= deepstack_chunk(*deepstack, start, stop)
                 self.language_model(ids[:, start:stop], cache=cache, **chunk)
                 mx.eval([c.state for c in cache])
-                pace = (perf_counter() - began) / (stop - start)
+                self._chunks.append((stop - start, perf_counter() - began))
                 start = stop
         return [RopeKVCache.of(c, rope_delta) for c in cache] if self.mrope else cache
 
@@ -301,11 +305,32 @@ class VisionPrefill:
         kept = [embeddings[0, positions], *layers] if self.features is not None else []
         return Embedded(embeddings, (visual, layers) if layers else None, rope, tower, kept)
 
-    def _chunk_size(self, budget: float, pace: float | None, left: int) -> int:
-        """Tokens in the next prompt chunk: no more than `budget` seconds take
-        at the latest chunk's pace (MIN_CHUNK until that is known), step_size
-        at most, and never fewer than MIN_CHUNK, which keeps chunks efficient."""
-        size = self.step_size
-        if budget != math.inf:
-            size = min(size, max(MIN_CHUNK, MIN_CHUNK if pace is None else int(budget / pace)))
-        return min(size, left)
+
+def chunk_size(budget: float, timed: Sequence[tuple[int, float]], step_size: int, left: int) -> int:
+    """Tokens in the next prompt chunk of `left`: as many as `budget` seconds
+    take at what a token adds to a chunk (`timed`: the latest chunks' sizes
+    and seconds; MIN_CHUNK until one is timed), at most twice the largest of
+    those (a size not tried yet is tried step by step), step_size at most,
+    and never fewer than MIN_CHUNK, which keeps chunks efficient."""
+    size = step_size
+    if budget != math.inf:
+        seconds = token_seconds(timed)
+        wanted = MIN_CHUNK if seconds is None else int(min(budget / seconds, size))
+        largest = max((n for n, _ in timed), default=MIN_CHUNK)
+        size = min(size, max(MIN_CHUNK, min(wanted, 2 * largest)))
+    return min(size, left)
+
+
+def token_seconds(timed: Sequence[tuple[int, float]]) -> float | None:
+    """What one more token adds to a chunk's time: the slope of the chunks'
+    times over their sizes. A forward pass costs a part that no chunk size
+    changes (on a GPU, reading the weights, about a decode step); dividing a
+    chunk's whole time by its tokens, right where compute dominates (a CPU),
+    would cut a GPU's prefill into many small chunks that each cost a decode
+    step."""
+    if not timed:
+        return None
+    sizes, times = zip(*timed)
+    if len(set(sizes)) < 2:
+        return times[-1] / sizes[-1]
+    return max(statistics.linear_regression(sizes, times).slope, 1e-9)
