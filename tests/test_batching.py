@@ -13,10 +13,11 @@ from tests.conftest import MODEL_NAME, wait_for
 MAX_TOKENS = 64
 
 
-def stream_completion(url: str, prompt: str, max_tokens: int) -> tuple[str, list[float]]:
-    """(text, arrival time of each chunk) of one streaming completion."""
+def stream_completion(url: str, prompt: str, max_tokens: int, **fields) -> tuple[str, list[float]]:
+    """(text, arrival time of each chunk) of one streaming completion; `fields` join its body."""
     text, times = [], []
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            **fields}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
@@ -56,18 +57,19 @@ def test_requests_joining_a_busy_batch_answer_as_alone(server, reference):
     """A request joins the running batch with its last prompt token still to
     compute, in the batch's next step (worker/joins.py): that token is neither
     an output, nor counted against max_tokens, nor matched as a stop."""
-    busy = threading.Thread(target=stream_completion, args=(server.url, "Once upon a time", 400))
-    busy.start()
-    wait_for(lambda: server.health()["worker"]["running"] >= 1, 10, "the long stream to be running")
     eos = reference.tokenizer.eos_token_ids
     prompt = reference.text_prompt("The lighthouse keeper said")
     cases = [(prompt + [sorted(eos)[0]], 8), (prompt, 1)]  # a prompt ending in the stop token; one token
-    for prompt_ids, max_tokens in cases:
+    expected = [reference.greedy(prompt_ids, max_tokens) for prompt_ids, max_tokens in cases]
+    busy = threading.Thread(target=stream_completion, args=(server.url, "Once upon a time", 1500),
+                            kwargs={"ignore_eos": True})
+    busy.start()
+    wait_for(lambda: server.health()["worker"]["running"] >= 1, 10, "the long stream to be running")
+    for (prompt_ids, max_tokens), want in zip(cases, expected):
         body = {"model": MODEL_NAME, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0}
         answer = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
-        expected = reference.greedy(prompt_ids, max_tokens)
-        assert answer["choices"][0]["text"] == expected.text
-        assert answer["choices"][0]["finish_reason"] == expected.finish_reason
-        assert answer["usage"]["completion_tokens"] == len(expected.token_ids)
+        assert answer["choices"][0]["text"] == want.text
+        assert answer["choices"][0]["finish_reason"] == want.finish_reason
+        assert answer["usage"]["completion_tokens"] == len(want.token_ids)
     assert server.health()["worker"]["running"] == 1, "the answers came while the long stream still ran"
     busy.join(60)
