@@ -71,5 +71,6 @@ def test_requests_joining_a_busy_batch_answer_as_alone(server, reference):
         assert answer["choices"][0]["text"] == want.text
         assert answer["choices"][0]["finish_reason"] == want.finish_reason
         assert answer["usage"]["completion_tokens"] == len(want.token_ids)
-    assert server.health()["worker"]["running"] == 1, "the answers came while the long stream still ran"
+    # The worker's running count comes with its heartbeat and may still hold a finished request.
+    assert busy.is_alive(), "the answers came while the long stream still ran"
     busy.join(60)
