@@ -162,23 +162,27 @@ class WorkerLink:
         self._ready = asyncio.Event()  # some worker is ready
         self._changed = asyncio.Event()  # set, and replaced, whenever a worker comes, goes or changes state
         self._tasks: list[asyncio.Task] = []
+        # Hellos being answered, by identity: loading a tokenizer takes a
+        # while, and the worker says Hello again until it is welcomed.
+        self._accepting: dict[bytes, asyncio.Task] = {}
 
     def bind(self) -> None:
         """Take the endpoint (see Transport.bind)."""
         self.transport.bind()
 
     async def start(self) -> None:
+        self.transport.listen(self._on_message)
         self._tasks = [
-            asyncio.create_task(self._receive_loop(), name="mlxd-link-receive"),
             asyncio.create_task(self._watchdog(), name="mlxd-link-watchdog"),
             asyncio.create_task(self._watch_connections(), name="mlxd-link-connections"),
         ]
         log.info("waiting for a worker on %s", self.transport.endpoint)
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._accepting.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         # Streams still open past the server's own shutdown end here; nothing more goes to the worker.
         for state in self.outputs:
             self.outputs.fail(state.request_id, "the gateway is shutting down", 503)
@@ -325,45 +329,47 @@ class WorkerLink:
                 for w in list(self.workers.values()):
                     self._send(w.identity, Welcome(w.hello.epoch))
 
-    async def _receive_loop(self) -> None:
-        while True:
-            identity, frame = await self.transport.receive()
-            try:
-                message = decode_from_worker(frame)
-            except ProtocolError as e:
-                self._reject(identity, frame, e)
-                continue
-            if isinstance(message, Hello):
-                await self._accept(identity, message)
-                continue
-            if isinstance(message, LoadFailed):
-                log.error("worker pid %d cannot load its model %r: %s", message.pid, message.model, message.reason)
-                self._event(message.pid, message.model, "load failed", message.reason)
-                self.load_failure = self.load_failures[message.model] = message
-                self.notify()
-                continue
-            if isinstance(message, Heartbeat):  # from the worker's own heartbeat socket: known by its epoch
-                beating = next((w for w in self.workers.values() if w.hello.epoch == message.epoch), None)
-                if beating is not None:
-                    self._on_heartbeat(beating, message)
-                continue
-            w = self.workers.get(identity)
-            if w is None:
-                continue  # a lost or replaced worker's leftovers
-            if isinstance(message, StepOutput):
-                aborts = self.outputs.process(message)
-                if aborts:  # stop strings, which the worker cannot see
-                    self._send(w.identity, Abort(aborts))
-            elif isinstance(message, Error):
-                self._on_error(message)
-            elif isinstance(message, Embeddings):
-                if (pending := self._embeds.get(message.request_id)) is not None and not pending[1].done():
-                    pending[1].set_result(message)
-            elif isinstance(message, Draining):
-                w.vitals.draining = True
-                self._assess(w)
-            elif isinstance(message, Goodbye):
-                self._lose_worker(w, f"it said goodbye ({message.reason})", handed_back=set(message.handed_back))
+    def _on_message(self, identity: bytes, frame: bytes) -> None:
+        """A message from a worker, as the transport hands it over (on the loop)."""
+        try:
+            message = decode_from_worker(frame)
+        except ProtocolError as e:
+            self._reject(identity, frame, e)
+            return
+        if isinstance(message, Hello):
+            if identity not in self._accepting:  # else the first Hello's answer welcomes it
+                task = asyncio.create_task(self._accept(identity, message))
+                self._accepting[identity] = task
+                task.add_done_callback(lambda _: self._accepting.pop(identity, None))
+            return
+        if isinstance(message, LoadFailed):
+            log.error("worker pid %d cannot load its model %r: %s", message.pid, message.model, message.reason)
+            self._event(message.pid, message.model, "load failed", message.reason)
+            self.load_failure = self.load_failures[message.model] = message
+            self.notify()
+            return
+        if isinstance(message, Heartbeat):  # from the worker's own heartbeat socket: known by its epoch
+            beating = next((w for w in self.workers.values() if w.hello.epoch == message.epoch), None)
+            if beating is not None:
+                self._on_heartbeat(beating, message)
+            return
+        w = self.workers.get(identity)
+        if w is None:
+            return  # a lost or replaced worker's leftovers
+        if isinstance(message, StepOutput):
+            aborts = self.outputs.process(message)
+            if aborts:  # stop strings, which the worker cannot see
+                self._send(w.identity, Abort(aborts))
+        elif isinstance(message, Error):
+            self._on_error(message)
+        elif isinstance(message, Embeddings):
+            if (pending := self._embeds.get(message.request_id)) is not None and not pending[1].done():
+                pending[1].set_result(message)
+        elif isinstance(message, Draining):
+            w.vitals.draining = True
+            self._assess(w)
+        elif isinstance(message, Goodbye):
+            self._lose_worker(w, f"it said goodbye ({message.reason})", handed_back=set(message.handed_back))
 
     def _reject(self, identity: bytes, frame: bytes, error: ProtocolError) -> None:
         version = hello_version(frame)

@@ -32,16 +32,17 @@ def test_a_message_that_arrives_during_a_send_wakes_the_reader(tmp_path):
     async def gateway() -> bytes:
         transport = Transport(endpoint)
         transport.bind()
+        received: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
+        transport.listen(lambda identity, frame: received.put_nowait((identity, frame)))
         peer = threading.Thread(target=worker)
         peer.start()
         try:
-            assert await asyncio.wait_for(transport.receive(), 10) == (b"worker", b"hello")
-            reader = asyncio.create_task(transport.receive())
-            await asyncio.sleep(0.05)  # the reader waits on the descriptor
+            assert await asyncio.wait_for(received.get(), 10) == (b"worker", b"hello")
+            await asyncio.sleep(0.05)  # the loop watches the descriptor
             worker_may_send.set()
             time.sleep(0.2)  # the message arrives while the loop is held here ...
             assert transport.send(b"worker", Welcome(1))  # ... and this send sees its signal first
-            return (await asyncio.wait_for(reader, 5))[1]
+            return (await asyncio.wait_for(received.get(), 5))[1]
         finally:
             worker_may_send.set()
             gateway_done.set()
