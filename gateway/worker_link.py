@@ -354,8 +354,10 @@ class WorkerLink:
                 self._on_heartbeat(beating, message)
             return
         w = self.workers.get(identity)
-        if w is None:
-            return  # a lost or replaced worker's leftovers
+        if w is None:  # a lost or replaced worker's leftovers, or one not welcomed yet
+            if isinstance(message, Goodbye) and identity in self._accepting:
+                self._accepting[identity].cancel()  # gone before its Hello was answered
+            return
         if isinstance(message, StepOutput):
             aborts = self.outputs.process(message)
             if aborts:  # stop strings, which the worker cannot see
