@@ -76,6 +76,7 @@ class _Exchange(asyncio.Protocol):
         self._buffer = b""
         self._on_event = None
         self.status = 0
+        self._keep_alive = False
 
     def start(self, request: bytes, on_event) -> asyncio.Future:
         """Send `request`; the future is done when its response has ended."""
@@ -84,12 +85,13 @@ class _Exchange(asyncio.Protocol):
         self._buffer = b""
         self._on_event = on_event
         self.status = 0
+        self._keep_alive = False
         self.transport.write(request)
         return self._done
 
     @property
     def reusable(self) -> bool:
-        return not self.closed and self._parser.should_keep_alive()
+        return not self.closed and self._keep_alive
 
     # asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -122,6 +124,8 @@ class _Exchange(asyncio.Protocol):
                 return
 
     def on_message_complete(self) -> None:
+        # Asked now: once the message is complete, the parser has forgotten the response's headers.
+        self._keep_alive = self._parser.should_keep_alive()
         self._finish(None)
 
     def _finish(self, error) -> None:

@@ -3,12 +3,13 @@ the hop to a thread), a long one in a thread (it would hold every stream)."""
 
 import asyncio
 import threading
+import time
 
 import pytest
 
 from gateway.errors import APIError
 from gateway.serving import INLINE_TOKENIZE_BYTES, tokenize
-from gateway.tokenizer import PromptError
+from gateway.tokenizer import PromptError, Tokenizer
 
 
 def thread_of(size: float) -> threading.Thread:
@@ -32,3 +33,30 @@ def test_a_prompt_error_is_the_clients_400_wherever_it_runs(size):
     with pytest.raises(APIError) as raised:
         asyncio.run(tokenize(size, refuse, param="messages"))
     assert raised.value.status == 400 and raised.value.param == "messages"
+
+
+@pytest.mark.parametrize("how", ["chat", "completion"])
+def test_tokenizing_a_long_prompt_lets_the_event_loop_run(tiny_model, how):
+    """A thread helps only if the tokenizer lets go of the GIL: tokenizers'
+    plain `encode` holds it to the end, and the loop (every stream) with it."""
+    tokenizer = Tokenizer({p.name: p.read_bytes() for p in tiny_model.iterdir() if p.suffix == ".json"})
+    text = "the keeper of the lighthouse watched the sea " * 40_000  # about a second to tokenize here
+    if how == "chat":
+        work = lambda: tokenizer.chat_prompt([{"role": "user", "content": text}])  # noqa: E731
+    else:
+        work = lambda: tokenizer.encode_text(text)  # noqa: E731
+
+    async def longest_gap() -> tuple[float, float]:
+        started = time.monotonic()
+        tokenizing = asyncio.ensure_future(tokenize(len(text), work))
+        gaps, last = [], time.monotonic()
+        while not tokenizing.done():
+            await asyncio.sleep(0.001)
+            gaps.append(time.monotonic() - last)
+            last = time.monotonic()
+        await tokenizing
+        return max(gaps), time.monotonic() - started
+
+    gap, took = asyncio.run(longest_gap())
+    assert took > 0.2, "too short a prompt to tell"
+    assert gap < took / 4, f"the loop stood still {gap * 1000:.0f} ms of the {took * 1000:.0f} ms tokenizing took"
