@@ -62,3 +62,45 @@ def test_a_send_to_a_peer_that_never_connected_fails_without_blocking(tmp_path):
             transport.close()
 
     assert asyncio.run(send()) is False
+
+
+def test_a_message_whose_handling_fails_does_not_stop_the_next(tmp_path, caplog):
+    """The transport hands messages to the link from the loop's callback; an
+    exception there is logged, and the messages behind it are still handed
+    over (nothing would call again for them: the descriptor has signalled)."""
+    endpoint = f"ipc://{tmp_path}/link/w.sock"
+    sent = threading.Event()
+
+    def worker() -> None:
+        context = zmq.Context()
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.IDENTITY, b"worker")
+        socket.connect(endpoint)
+        socket.send(b"first")
+        socket.send(b"second")
+        sent.wait(10)
+        socket.close(linger=1000)
+        context.term()
+
+    async def gateway() -> list[bytes]:
+        transport = Transport(endpoint)
+        transport.bind()
+        handled: asyncio.Queue[bytes] = asyncio.Queue()
+
+        def handle(identity: bytes, frame: bytes) -> None:
+            handled.put_nowait(frame)
+            if frame == b"first":
+                raise ValueError("a bug in handling")
+
+        transport.listen(handle)
+        peer = threading.Thread(target=worker)
+        peer.start()
+        try:
+            return [await asyncio.wait_for(handled.get(), 10) for _ in range(2)]
+        finally:
+            sent.set()
+            peer.join(10)
+            transport.close()
+
+    assert asyncio.run(gateway()) == [b"first", b"second"]
+    assert "handling a message from a worker failed" in caplog.text
