@@ -114,17 +114,13 @@ class Serving:
             raise too_large
         chunks: list[bytes] = []
         size = 0
-
-        async def read() -> None:
-            nonlocal size
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise too_large
-                chunks.append(chunk)
-
         try:
-            await asyncio.wait_for(read(), self.settings.body_timeout_s)
+            async with asyncio.timeout(self.settings.body_timeout_s):  # no task of its own, as wait_for makes
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_large
+                    chunks.append(chunk)
             request.scope["state"]["body_bytes"] = size
         except TimeoutError:
             raise APIError(
