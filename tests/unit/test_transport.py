@@ -3,11 +3,27 @@
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import zmq
 
 from gateway.transport import Transport
 from protocol import Welcome
+
+
+@contextmanager
+def worker_socket(endpoint: str) -> Iterator[zmq.Socket]:
+    """A worker's DEALER on the endpoint, connected for the block."""
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.IDENTITY, b"worker")
+    socket.connect(endpoint)
+    try:
+        yield socket
+    finally:
+        socket.close(linger=1000)
+        context.term()
 
 
 def test_a_message_that_arrives_during_a_send_wakes_the_reader(tmp_path):
@@ -18,16 +34,11 @@ def test_a_message_that_arrives_during_a_send_wakes_the_reader(tmp_path):
     worker_may_send, gateway_done = threading.Event(), threading.Event()
 
     def worker() -> None:
-        context = zmq.Context()
-        socket = context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.IDENTITY, b"worker")
-        socket.connect(endpoint)
-        socket.send(b"hello")
-        worker_may_send.wait(10)
-        socket.send(b"step")
-        gateway_done.wait(10)  # connected till then: a closing pipe would signal too
-        socket.close(linger=1000)
-        context.term()
+        with worker_socket(endpoint) as socket:
+            socket.send(b"hello")
+            worker_may_send.wait(10)
+            socket.send(b"step")
+            gateway_done.wait(10)  # connected till then: a closing pipe would signal too
 
     async def gateway() -> bytes:
         transport = Transport(endpoint)
@@ -72,15 +83,10 @@ def test_a_message_whose_handling_fails_does_not_stop_the_next(tmp_path, caplog)
     sent = threading.Event()
 
     def worker() -> None:
-        context = zmq.Context()
-        socket = context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.IDENTITY, b"worker")
-        socket.connect(endpoint)
-        socket.send(b"first")
-        socket.send(b"second")
-        sent.wait(10)
-        socket.close(linger=1000)
-        context.term()
+        with worker_socket(endpoint) as socket:
+            socket.send(b"first")
+            socket.send(b"second")
+            sent.wait(10)
 
     async def gateway() -> list[bytes]:
         transport = Transport(endpoint)
