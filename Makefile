@@ -85,6 +85,7 @@ bench: install-test model
 	$(PY) -m tests.bench.ab --model "$$($(VENV)/bin/mlxd prepare-model)" --b OPENBLAS_NUM_THREADS=1 \
 	  --concurrency 8 --tokens 32 --rounds 2
 	$(PY) -m tests.bench.prefix_cache
+	$(PY) -m tests.bench.prefix_lookup
 	$(PY) -m tests.bench.agent_replay
 	$(PY) -m tests.bench.disk_restore
 	$(PY) -m tests.bench.serve_speed

@@ -14,7 +14,16 @@ seen before.
 
 from __future__ import annotations
 
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+from collections import deque
+from typing import Any
+
+from mlx_lm.models.cache import (
+    LRUPromptCache,
+    PromptTrie,
+    PromptTrieResult,
+    can_trim_prompt_cache,
+    trim_prompt_cache,
+)
 
 from protocol import PrefixCacheStats
 from worker.disk_cache import DiskCache
@@ -22,9 +31,56 @@ from worker.disk_cache import DiskCache
 MODEL_KEY = "model"  # one model per worker
 
 
+class LinearPromptTrie(PromptTrie):
+    """mlx-lm's token trie with the same search, made linear.
+
+    Past the prompt's longest match, the search looks for the shortest cached
+    sequence that goes on from there (its KV state, trimmed, serves the
+    match). mlx-lm 0.32.2 copies the path walked so far at every node it
+    visits there, which is quadratic in a cached sequence's unmatched tail:
+    a prompt sharing a system prompt with a cached 50,000-token conversation
+    took 2 s in it on the worker's main thread, every stream waiting. Here
+    each node visited links to its parent, breadth first."""
+
+    def search(self, model: Any, tokens: list[int]) -> PromptTrieResult:
+        if model not in self._trie:
+            return PromptTrieResult(model, None, None, None, 0)
+        node = self._trie[model]
+        if not tokens and "__value__" in node:
+            return PromptTrieResult(model, [], None, None, 0)
+        last, index = -1, 0
+        while index < len(tokens) and tokens[index] in node:
+            node = node[tokens[index]]
+            if "__value__" in node:
+                last = index
+            index += 1
+        if last == len(tokens) - 1 >= 0:
+            return PromptTrieResult(model, tokens, None, None, 0)
+        shorter = tokens[: last + 1] if last > 0 else None
+        longer = tokens[:index] + self._nearest_value(node) if index > 0 else None
+        return PromptTrieResult(model, None, shorter, longer, index)
+
+    @staticmethod
+    def _nearest_value(node: dict) -> list[int]:
+        """The tokens from `node` to the nearest node below it holding a value
+        (every leaf does)."""
+        queue: deque[tuple[dict, tuple | None]] = deque([(node, None)])
+        while queue:
+            node, path = queue.popleft()
+            if "__value__" in node:
+                tokens = []
+                while path is not None:
+                    token, path = path
+                    tokens.append(token)
+                return tokens[::-1]
+            queue.extend((child, (token, path)) for token, child in node.items())
+        raise KeyError("no cached sequence below this node")
+
+
 class PrefixCache:
     def __init__(self, budget_bytes: int, disk: DiskCache | None = None) -> None:
         self._lru = LRUPromptCache(max_size=1 << 30, max_bytes=budget_bytes)
+        self._lru._trie = LinearPromptTrie()  # mlx-lm 0.32.2's (pinned) attribute
         self.disk = disk
         self.hits = 0
         self.cached_tokens = 0
