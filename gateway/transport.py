@@ -72,6 +72,9 @@ class _Reader:
         self._handle = handle
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(socket.FD, self.drain)
+        # ZeroMQ signals a message's arrival only to a reader that has found
+        # the socket empty since: look once now, or the first may never wake it.
+        self.drain_soon()
 
     def drain(self) -> None:
         """Hand over each message that is in (none once the socket is closed)."""
@@ -85,8 +88,8 @@ class _Reader:
                 log.exception("handling a message from a worker failed")
 
     def drain_soon(self) -> None:
-        """Drain once the caller is done: after a send, which may have taken
-        the descriptor's signal of a message that arrived meanwhile."""
+        """Drain once the caller is done: also after a send, which may have
+        taken the descriptor's signal of a message that arrived meanwhile."""
         self._loop.call_soon(self.drain)
 
     def stop(self) -> None:
