@@ -10,7 +10,7 @@ import httpx
 
 from tests.conftest import MODEL_NAME, wait_for
 
-MAX_TOKENS = 64
+TOKENS = 256  # enough to outlast the streams' staggered starts
 
 
 def stream_completion(url: str, prompt: str, max_tokens: int, **fields) -> tuple[str, list[float]]:
@@ -30,15 +30,17 @@ def stream_completion(url: str, prompt: str, max_tokens: int, **fields) -> tuple
 
 
 def test_eight_streams_decode_together(server):
+    # Every stream runs its whole length (a stream ending early at EOS
+    # would not overlap one that started a few steps late).
     prompts = [f"Once upon a time {i}" for i in range(8)]
-    alone = [stream_completion(server.url, p, MAX_TOKENS)[0] for p in prompts]
+    alone = [stream_completion(server.url, p, TOKENS, ignore_eos=True)[0] for p in prompts]
 
     results: list = [None] * len(prompts)
     barrier = threading.Barrier(len(prompts))
 
     def run(i: int) -> None:
         barrier.wait()
-        results[i] = stream_completion(server.url, prompts[i], MAX_TOKENS)
+        results[i] = stream_completion(server.url, prompts[i], TOKENS, ignore_eos=True)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
