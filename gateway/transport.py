@@ -160,6 +160,11 @@ class Transport:
         worker, from the event loop, as it arrives."""
         self._frames = _Reader(self._socket, lambda frames: handle(frames[0], frames[1]))
 
+    def stop_listening(self) -> None:
+        """No more messages from workers (the first step of closing)."""
+        if self._frames is not None:
+            self._frames.stop()
+
     async def closed_connection(self) -> None:
         """Returns when a worker's connection closes. Which one it was, ZeroMQ
         does not say: a send to it then fails (see send)."""

@@ -165,6 +165,7 @@ class WorkerLink:
         # Hellos being answered, by identity: loading a tokenizer takes a
         # while, and the worker says Hello again until it is welcomed.
         self._accepting: dict[bytes, asyncio.Task] = {}
+        self._tokenizer_loads: dict[str, asyncio.Future[Tokenizer]] = {}  # by the files' digest
 
     def bind(self) -> None:
         """Take the endpoint (see Transport.bind)."""
@@ -179,7 +180,8 @@ class WorkerLink:
         log.info("waiting for a worker on %s", self.transport.endpoint)
 
     async def close(self) -> None:
-        tasks = [*self._tasks, *self._accepting.values()]
+        self.transport.stop_listening()  # no Hello may start an answer now
+        tasks = [*self._tasks, *self._accepting.values(), *self._tokenizer_loads.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -373,6 +375,26 @@ class WorkerLink:
         elif isinstance(message, Goodbye):
             self._lose_worker(w, f"it said goodbye ({message.reason})", handed_back=set(message.handed_back))
 
+    async def _tokenizer_for(self, hello: Hello) -> Tokenizer:
+        """The tokenizer of a worker's files: a serving worker's, else one load
+        shared by every Hello with the same files meanwhile (replicas starting together)."""
+        digest = files_digest(hello.tokenizer_files)
+        known = next((w.tokenizer for w in self.workers.values() if w.tokenizer.digest == digest), None)
+        if known is not None:
+            return known
+        loading = self._tokenizer_loads.get(digest)
+        if loading is None:
+            loading = asyncio.ensure_future(asyncio.to_thread(Tokenizer, hello.tokenizer_files, hello.vision))
+            self._tokenizer_loads[digest] = loading
+
+            def loaded(task: asyncio.Future[Tokenizer]) -> None:
+                del self._tokenizer_loads[digest]
+                if not task.cancelled():
+                    task.exception()  # seen here, whether or not a Hello still waits for it
+
+            loading.add_done_callback(loaded)
+        return await asyncio.shield(loading)  # one Hello's answer cancelled must not cancel the others'
+
     def _reject(self, identity: bytes, frame: bytes, error: ProtocolError) -> None:
         version = hello_version(frame)
         if version is not None and version != PROTOCOL_VERSION:
@@ -395,17 +417,12 @@ class WorkerLink:
         if identity in self.workers:
             self._send(identity, Welcome(hello.epoch))  # our Welcome crossed its retry
             return
-        digest = files_digest(hello.tokenizer_files)
-        known = next((w.tokenizer for w in self.workers.values() if w.tokenizer.digest == digest), None)
-        if known is not None:
-            tokenizer = known
-        else:
-            try:
-                tokenizer = await asyncio.to_thread(Tokenizer, hello.tokenizer_files, hello.vision)
-            except Exception as e:  # files the gateway cannot use: this worker cannot serve through it
-                log.exception("refused a worker (pid %d): its tokenizer files cannot be loaded", hello.pid)
-                self._send(identity, Refused(f"the gateway cannot load this model's tokenizer: {e}"))
-                return
+        try:
+            tokenizer = await self._tokenizer_for(hello)
+        except Exception as e:  # files the gateway cannot use: this worker cannot serve through it
+            log.exception("refused a worker (pid %d): its tokenizer files cannot be loaded", hello.pid)
+            self._send(identity, Refused(f"the gateway cannot load this model's tokenizer: {e}"))
+            return
         names = self._names_of(hello)
         for old in list(self.workers.values()):
             if not set(old.names) & set(names):
