@@ -14,10 +14,10 @@ seen before.
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 from mlx_lm.models.cache import (
+    KVCache,
     LRUPromptCache,
     PromptTrie,
     PromptTrieResult,
@@ -32,15 +32,22 @@ MODEL_KEY = "model"  # one model per worker
 
 
 class LinearPromptTrie(PromptTrie):
-    """mlx-lm's token trie with the same search, made linear.
+    """mlx-lm's token trie, with a search whose time does not grow with what
+    else is cached.
 
-    Past the prompt's longest match, the search looks for the shortest cached
-    sequence that goes on from there (its KV state, trimmed, serves the
-    match). mlx-lm 0.32.2 copies the path walked so far at every node it
-    visits there, which is quadratic in a cached sequence's unmatched tail:
-    a prompt sharing a system prompt with a cached 50,000-token conversation
-    took 2 s in it on the worker's main thread, every stream waiting. Here
-    each node visited links to its parent, breadth first."""
+    Past the prompt's longest match, the search looks for a cached sequence
+    that goes on from there (its KV state, trimmed, serves the match).
+    mlx-lm 0.32.2 looks for the shortest one breadth first, copying the path
+    walked so far at every node it visits: quadratic in a cached sequence's
+    unmatched tail (a prompt sharing a system prompt with a cached
+    50,000-token conversation took 2 s on the worker's main thread, every
+    stream waiting), and, without the copies, still a walk over every cached
+    sequence that shares the match (a new chat beside a few hundred cached
+    ones with its system prompt: milliseconds per request, growing with the
+    cache). Here the search follows one cached sequence down from the match,
+    the oldest (a dict keeps its children in insertion order): any of them
+    holds the match's KV state, and PrefixCache.take keeps only that much of
+    it."""
 
     def search(self, model: Any, tokens: list[int]) -> PromptTrieResult:
         if model not in self._trie:
@@ -62,19 +69,13 @@ class LinearPromptTrie(PromptTrie):
 
     @staticmethod
     def _nearest_value(node: dict) -> list[int]:
-        """The tokens from `node` to the nearest node below it holding a value
-        (every leaf does)."""
-        queue: deque[tuple[dict, tuple | None]] = deque([(node, None)])
-        while queue:
-            node, path = queue.popleft()
-            if "__value__" in node:
-                tokens = []
-                while path is not None:
-                    token, path = path
-                    tokens.append(token)
-                return tokens[::-1]
-            queue.extend((child, (token, path)) for token, child in node.items())
-        raise KeyError("no cached sequence below this node")
+        """The tokens from `node` down its oldest children to a node holding a
+        value (every leaf holds one)."""
+        tokens = []
+        while "__value__" not in node:
+            token, node = next(iter(node.items()))
+            tokens.append(token)
+        return tokens
 
 
 class PrefixCache:
@@ -101,6 +102,8 @@ class PrefixCache:
             else:
                 trim_prompt_cache(cache, 1)
                 rest = prompt[-1:]
+        if cache is not None:
+            drop_past_offset(cache)
         reused = len(prompt) - len(rest) if cache is not None else 0
         if self.disk is not None:
             restored, length = self.disk.restore(prompt[:-1], reused)
@@ -127,3 +130,15 @@ class PrefixCache:
                                 disk_tokens=disk.restored_tokens if disk else 0, disk_hits=self.disk_hits,
                                 disk_bytes=disk.nbytes if disk else 0, lookups=self.lookups,
                                 prefilled_tokens=self.prefilled_tokens)
+
+
+def drop_past_offset(cache: list) -> None:
+    """Lets a trimmed KV cache hold only what it keeps. The copy of a cached
+    sequence that serves a shorter prompt shares that sequence's buffers, and
+    its first write copies them whole: a new chat sharing only its system
+    prompt with a long cached conversation would copy the conversation's
+    KV state."""
+    for layer in cache:
+        if isinstance(layer, KVCache) and layer.keys is not None and layer.offset < layer.keys.shape[2]:
+            layer.keys = layer.keys[..., : layer.offset, :]
+            layer.values = layer.values[..., : layer.offset, :]
