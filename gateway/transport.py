@@ -71,16 +71,18 @@ class _Reader:
         self._socket = socket
         self._handle = handle
         self._loop = asyncio.get_running_loop()
+        self._stopped = False
         self._loop.add_reader(socket.FD, self.drain)
         # ZeroMQ signals a message's arrival only to a reader that has found
         # the socket empty since: look once now, or the first may never wake it.
         self.drain_soon()
 
     def drain(self) -> None:
-        """Hand over each message that is in (none once the socket is closed)."""
+        """Hand over each message that is in (none once stopped: a drain may
+        have been scheduled before)."""
         # Reading EVENTS also lets ZeroMQ process what woke the descriptor
         # (which otherwise stays readable); it signals a change, not a state.
-        while not self._socket.closed and int(self._socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        while not self._stopped and int(self._socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             frames = self._socket.recv_multipart(zmq.NOBLOCK)
             try:
                 self._handle(frames)
@@ -93,6 +95,7 @@ class _Reader:
         self._loop.call_soon(self.drain)
 
     def stop(self) -> None:
+        self._stopped = True
         self._loop.remove_reader(self._socket.FD)
 
 

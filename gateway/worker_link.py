@@ -339,7 +339,11 @@ class WorkerLink:
             self._reject(identity, frame, e)
             return
         if isinstance(message, Hello):
-            if identity not in self._accepting:  # else the first Hello's answer welcomes it
+            if identity in self.workers:
+                # Our Welcome crossed its retry: answered now, so that a Goodbye
+                # right behind it finds no answer still to come.
+                self._send(identity, Welcome(message.epoch))
+            elif identity not in self._accepting:  # else the first Hello's answer welcomes it
                 task = asyncio.create_task(self._accept(identity, message))
                 self._accepting[identity] = task
                 task.add_done_callback(lambda _: self._accepting.pop(identity, None))
@@ -414,9 +418,6 @@ class WorkerLink:
         if hello.protocol_version != PROTOCOL_VERSION:
             self._refuse(identity, hello.protocol_version)
             return
-        if identity in self.workers:
-            self._send(identity, Welcome(hello.epoch))  # our Welcome crossed its retry
-            return
         try:
             tokenizer = await self._tokenizer_for(hello)
         except Exception as e:  # files the gateway cannot use: this worker cannot serve through it
@@ -424,6 +425,23 @@ class WorkerLink:
             self._send(identity, Refused(f"the gateway cannot load this model's tokenizer: {e}"))
             return
         names = self._names_of(hello)
+        now = time.monotonic()
+        try:
+            state = WorkerState(
+                identity, hello, names, tokenizer, accepted_at=now,
+                vitals=Vitals(self.worker_timeout_s, self.hung_worker_s, last_beat=now, last_progress=now),
+                sampling=sampling_defaults(hello.tokenizer_files), tool_format=load_tool_format(hello.tool_parser),
+                reasoning_markers=(hello.reasoning_markers[0], hello.reasoning_markers[1])
+                if len(hello.reasoning_markers) == 2 else tokenizer.reasoning_markers)
+        except Exception as e:  # else the worker would say Hello again forever, never answered
+            log.exception("refused a worker (pid %d): its Hello cannot be served", hello.pid)
+            self._send(identity, Refused(f"the gateway cannot serve this worker: {e}"))
+            return
+        if not self.transport.send(identity, Welcome(hello.epoch)):
+            # Gone while its tokenizer loaded (killed, crashed): nothing to
+            # replace anything with, nor to resume requests on.
+            log.warning("worker pid %d left before its Hello was answered", hello.pid)
+            return
         for old in list(self.workers.values()):
             if not set(old.names) & set(names):
                 continue  # another model's
@@ -432,16 +450,9 @@ class WorkerLink:
                 self._lose_worker(old, f"replaced by a newer worker (pid {hello.pid}); it was {why}", set())
                 # Should the old one wake up, it must not serve beside the new one.
                 self._send(old.identity, Refused(f"replaced by a newer worker; this one was {why}"))
-        now = time.monotonic()
         self.load_failure = None
         self.stats.workers_accepted += 1
-        vitals = Vitals(self.worker_timeout_s, self.hung_worker_s, last_beat=now, last_progress=now)
-        self.workers[identity] = WorkerState(
-            identity, hello, names, tokenizer, accepted_at=now, vitals=vitals,
-            sampling=sampling_defaults(hello.tokenizer_files), tool_format=load_tool_format(hello.tool_parser),
-            reasoning_markers=(hello.reasoning_markers[0], hello.reasoning_markers[1])
-            if len(hello.reasoning_markers) == 2 else tokenizer.reasoning_markers)
-        self._send(identity, Welcome(hello.epoch))
+        self.workers[identity] = state
         self._update_ready()
         log.info(
             "worker ready: pid %d, epoch %d, model %s, context %d, capacity %d",

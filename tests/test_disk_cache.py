@@ -122,3 +122,26 @@ def test_a_stream_resumed_after_a_worker_kill_reads_its_prompt_back_from_disk(ti
         assert "".join(pieces) == expected
         assert srv.health()["worker"]["pid"] != first
         assert disk_tokens(srv) >= 0.8 * len(prompt)
+
+
+def test_a_request_that_ends_with_its_first_token_costs_no_other_its_answer(tiny_model, reference, tmp_path):
+    """max_tokens=1 ends a request in the step that brings its first token,
+    when mlx-lm has already let go of its row: its KV state goes to disk as
+    it finishes, and the stream beside it carries on."""
+    directory = tmp_path / "kv"
+    prompt = reference.chat_prompt(MESSAGES)
+    client = openai.OpenAI(max_retries=0, api_key="unused")
+    with running(serve_args(tiny_model, directory), tmp_path / "serve.log") as srv:
+        client = client.with_options(base_url=srv.url + "/v1")
+        stream = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Tell me a long story."}], max_tokens=64,
+            temperature=0, stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        text = [next(chunks).choices[0].delta.content or ""]  # the stream is running
+        short = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, temperature=0)
+        text += [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        wait_for(lambda: len(blocks(directory)) >= len(prompt) // 256, 10, "the short request's blocks written")
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 1
+    assert short.choices[0].message.content == reference.greedy(prompt, 1).text
+    story = reference.chat_prompt([{"role": "user", "content": "Tell me a long story."}])
+    assert "".join(text) == reference.greedy(story, 64, ignore_eos=True).text

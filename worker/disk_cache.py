@@ -133,10 +133,11 @@ class DiskCache:
         # writer thread and the main thread share it under the lock.
         self._lock = threading.Lock()
         self._files: OrderedDict[str, int] = OrderedDict()
-        for path in sorted(directory.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime):
-            self._files[path.stem] = path.stat().st_size
-        for path in directory.glob("*.tmp"):  # a write a crash cut short; an hour leaves other workers' own
-            if time.time() - path.stat().st_mtime > 3600:
+        found = sorted((info.st_mtime, path.stem, info.st_size) for path, info in _stats(directory, "*" + SUFFIX))
+        for _, key, size in found:
+            self._files[key] = size
+        for path, info in _stats(directory, "*.tmp"):  # a write a crash cut short; an hour leaves others' own
+            if time.time() - info.st_mtime > 3600:
                 path.unlink(missing_ok=True)
         self.nbytes = sum(self._files.values())
         # Key, payload, queued bytes: the writer seals and writes it.
@@ -290,3 +291,15 @@ class DiskCache:
                     evicted.append(old)
             for old in evicted:
                 self._path(old).unlink(missing_ok=True)
+
+
+def _stats(directory: Path, pattern: str) -> list[tuple[Path, os.stat_result]]:
+    """The files matching `pattern` and their stat, but for those gone
+    meanwhile (another worker on the directory renames and removes files)."""
+    found = []
+    for path in directory.glob(pattern):
+        try:
+            found.append((path, path.stat()))
+        except FileNotFoundError:
+            continue
+    return found

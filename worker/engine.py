@@ -275,9 +275,10 @@ class Engine:
     @staticmethod
     def _cache_key(admitted: Admitted, tokens: list[int]) -> list[int]:
         """What a request's KV state is filed under: its tokens, with image
-        positions keyed by the images' content."""
+        positions keyed by the images' content. The state may hold fewer
+        tokens than the key (aborted before its last prompt token was fed)."""
         key = admitted.cache_key
-        return tokens if key is None else key + list(tokens[len(key):])
+        return tokens if key is None else key[:len(tokens)] + list(tokens[len(key):])
 
     def step(self) -> list[RequestOutput]:
         """One continuous-batching step: a prefill chunk and/or one decode token
@@ -300,8 +301,9 @@ class Engine:
         for r in generation_responses:
             admitted = self._by_uid[r.uid]
             self._started(admitted)
-            if disk is not None and not admitted.on_disk:
+            if disk is not None and not admitted.on_disk and r.finish_reason is None:
                 # Now, not at its end: a worker lost mid-stream leaves the prompt on disk for the resumed request.
+                # (One that ends here has left mlx-lm's batch already; keep() below writes it.)
                 admitted.on_disk = True
                 cache, tokens = self._generator.extract_cache([r.uid])[r.uid]
                 disk.save(self._cache_key(admitted, list(tokens)), cache)

@@ -120,7 +120,8 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         prefill_batch_size=settings.prefill_batch,
         prefill_step_size=settings.prefill_chunk,
         grammars=Grammars(loaded.hf_tokenizer, loaded.vocab_size, loaded.eos_token_ids),
-        prefix_cache=PrefixCache(prefix_cache_bytes, disk) if prefix_cache_bytes or disk else None,
+        prefix_cache=PrefixCache(prefix_cache_bytes, disk, windowed=bool(footprint.windowed))
+        if prefix_cache_bytes or disk else None,
         vision=vision,
     )
     embedder = embedder_for(loaded.model, loaded.path) if not vision else None

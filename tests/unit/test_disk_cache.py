@@ -102,3 +102,15 @@ def test_workers_sharing_a_directory_read_each_others_blocks(tmp_path):
     _, length = reader.restore(tokens, 0)
     assert length == 2 * BLOCK_TOKENS
     assert reader.nbytes == sum(f.stat().st_size for f in tmp_path.glob("*.kv"))
+
+
+def test_a_file_gone_while_a_worker_starts_is_skipped(tmp_path):
+    """Another worker on the directory renames and removes files while this
+    one lists them: a name whose file is gone by its stat (here a dangling
+    link, of a block and of a temporary file) is skipped, not fatal."""
+    tokens = list(range(BLOCK_TOKENS))
+    written(tmp_path, 1 << 30, tokens, kv_cache(len(tokens)))
+    (tmp_path / ("0" * 64 + ".kv")).symlink_to(tmp_path / "gone.kv")
+    (tmp_path / ("1" * 64 + ".1234.tmp")).symlink_to(tmp_path / "gone.tmp")
+    disk = DiskCache(tmp_path, 1 << 30, IDENTITY)
+    assert disk.restore(tokens, 0)[1] == BLOCK_TOKENS

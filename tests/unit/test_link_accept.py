@@ -1,42 +1,120 @@
-"""The link answering Hellos: replicas that say Hello together share one tokenizer load."""
+"""The link answering Hellos: replicas that say Hello together share one
+tokenizer load; a worker gone before its answer is not taken on; a retried
+Hello with a Goodbye behind it leaves no worker; a Hello the gateway cannot
+serve is refused with the reason."""
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import zmq
 
 from gateway.worker_link import WorkerLink
-from protocol import PROTOCOL_VERSION, Hello, encode
+from protocol import PROTOCOL_VERSION, Goodbye, Hello, Refused, Welcome, decode_to_worker, encode
+
+
+def hello(files: dict[str, bytes], epoch: int, **fields) -> bytes:
+    return encode(Hello(PROTOCOL_VERSION, epoch, 1000 + epoch, "tiny", 2048, 384, 8, [2], files, **fields))
+
+
+@asynccontextmanager
+async def link_and_workers(endpoint: str, count: int) -> AsyncIterator[tuple[WorkerLink, list[zmq.Socket]]]:
+    """A started link and `count` connected worker sockets (DEALERs named worker-1...)."""
+    link = WorkerLink(endpoint, worker_timeout_s=30, hung_worker_s=30, worker_wait_s=5)
+    link.bind()
+    await link.start()
+    context = zmq.Context()
+    sockets = []
+    try:
+        for epoch in range(1, count + 1):
+            socket = context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.IDENTITY, f"worker-{epoch}".encode())
+            socket.connect(endpoint)
+            sockets.append(socket)
+        yield link, sockets
+    finally:
+        for socket in sockets:
+            socket.close(linger=0)
+        context.term()
+        await link.close()
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Every turn of the loop: a state that lasts a few milliseconds is seen."""
+    async with asyncio.timeout(30):
+        while not condition():
+            await asyncio.sleep(0)
+
+
+async def answer(socket: zmq.Socket):
+    """The gateway's next message to this worker."""
+    await until(lambda: socket.poll(0))
+    return decode_to_worker(socket.recv_multipart())[0]
+
+
+def tokenizer_files(tiny_model) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in tiny_model.iterdir() if p.suffix == ".json"}
 
 
 def test_replicas_saying_hello_together_share_one_tokenizer(tiny_model, tmp_path):
-    files = {p.name: p.read_bytes() for p in tiny_model.iterdir() if p.suffix == ".json"}
-    endpoint = f"ipc://{tmp_path}/link/w.sock"
+    files = tokenizer_files(tiny_model)
 
     async def accept_three() -> set[int]:
         """The tokenizer objects of the three accepted workers."""
-        link = WorkerLink(endpoint, worker_timeout_s=30, hung_worker_s=30, worker_wait_s=5)
-        link.bind()
-        await link.start()
-        context = zmq.Context()
-        sockets = []
-        try:
-            for epoch in (1, 2, 3):
-                socket = context.socket(zmq.DEALER)
-                socket.setsockopt(zmq.IDENTITY, f"worker-{epoch}".encode())
-                socket.connect(endpoint)
-                sockets.append(socket)
+        async with link_and_workers(f"ipc://{tmp_path}/link/w.sock", 3) as (link, sockets):
             # All three are in before the first tokenizer load (tens of ms) ends.
             for epoch, socket in enumerate(sockets, 1):
-                socket.send(encode(Hello(PROTOCOL_VERSION, epoch, 1000 + epoch, "tiny", 2048, 384, 8, [2], files)))
-            async with asyncio.timeout(30):
-                while len(link.workers) < 3:
-                    await asyncio.sleep(0.01)
+                socket.send(hello(files, epoch))
+            await until(lambda: len(link.workers) == 3)
             assert link.stats.workers_accepted == 3
             return {id(w.tokenizer) for w in link.workers.values()}
-        finally:
-            for socket in sockets:
-                socket.close(linger=0)
-            context.term()
-            await link.close()
 
     assert len(asyncio.run(accept_three())) == 1
+
+
+def test_a_worker_gone_before_its_hello_is_answered_is_not_taken_on(tiny_model, tmp_path):
+    """Killed while the gateway loads its tokenizer: no worker is registered
+    (nor would waiting requests be resumed on it)."""
+    files = tokenizer_files(tiny_model)
+
+    async def run() -> None:
+        async with link_and_workers(f"ipc://{tmp_path}/link/w.sock", 1) as (link, (socket,)):
+            socket.send(hello(files, 1))
+            await until(lambda: link._accepting)
+            socket.close(linger=0)
+            await until(lambda: not link._accepting)
+            assert not link.workers and link.stats.workers_accepted == 0
+
+    asyncio.run(run())
+
+
+def test_a_retried_hello_with_a_goodbye_behind_it_leaves_no_worker(tiny_model, tmp_path):
+    files = tokenizer_files(tiny_model)
+
+    async def run() -> None:
+        async with link_and_workers(f"ipc://{tmp_path}/link/w.sock", 1) as (link, (socket,)):
+            socket.send(hello(files, 1))
+            assert isinstance(await answer(socket), Welcome)
+            # Its retry crossed our Welcome; then it stops. Both arrive before the link reads either.
+            socket.send(hello(files, 1))
+            socket.send(encode(Goodbye("stopping")))
+            await until(lambda: not link.workers)
+            await asyncio.sleep(0.5)  # a late answer to the retry would register it again by now
+            assert not link.workers and link.stats.workers_accepted == 1
+
+    asyncio.run(run())
+
+
+def test_a_hello_the_gateway_cannot_serve_is_refused_with_the_reason(tiny_model, tmp_path):
+    """A tool-call parser module without a parser's parts (mlx-lm's package
+    itself): refused, with the reason, not left to say Hello forever."""
+    files = tokenizer_files(tiny_model)
+
+    async def run() -> None:
+        async with link_and_workers(f"ipc://{tmp_path}/link/w.sock", 1) as (link, (socket,)):
+            socket.send(hello(files, 1, tool_parser="__init__"))
+            refused = await answer(socket)
+            assert isinstance(refused, Refused) and "cannot serve this worker" in refused.reason
+            assert not link.workers
+
+    asyncio.run(run())

@@ -7,9 +7,10 @@ import time
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mlx_lm.models.cache import KVCache, PromptTrie
+from mlx_lm.models.cache import KVCache, PromptTrie, RotatingKVCache
 
 from worker.prefix_cache import LinearPromptTrie, PrefixCache
 
@@ -17,11 +18,12 @@ MODEL = "model"
 sequences = st.lists(st.integers(0, 3), min_size=1, max_size=12)
 
 
+@pytest.mark.parametrize("shortest", [False, True])
 @settings(max_examples=300, deadline=None)
 @given(cached=st.lists(sequences, min_size=1, max_size=8), dropped=st.lists(sequences, max_size=3),
        queries=st.lists(st.lists(st.integers(0, 3), max_size=14), min_size=1, max_size=6))
-def test_the_search_finds_the_matches_mlx_lms_finds(cached, dropped, queries):
-    theirs, ours = PromptTrie(), LinearPromptTrie()
+def test_the_search_finds_the_matches_mlx_lms_finds(shortest, cached, dropped, queries):
+    theirs, ours = PromptTrie(), LinearPromptTrie(shortest)
     for trie in (theirs, ours):
         for tokens in cached:
             trie.add(MODEL, tokens, tuple(tokens))
@@ -33,8 +35,10 @@ def test_the_search_finds_the_matches_mlx_lms_finds(cached, dropped, queries):
         assert (got.exact, got.shorter, got.common_prefix) == (want.exact, want.shorter, want.common_prefix)
         assert (got.longer is None) == (want.longer is None)
         if got.longer is not None:
-            # A cached sequence going on from the match (mlx-lm's is the shortest; any serves).
+            # A cached sequence going on from the match: mlx-lm's is the shortest; any serves, unless shortest.
             assert len(got.longer) >= got.common_prefix
+            if shortest:
+                assert len(got.longer) == len(want.longer)
             assert got.longer[:got.common_prefix] == query[:got.common_prefix]
             assert ours.get(MODEL, got.longer) == tuple(got.longer)
 
@@ -100,3 +104,24 @@ def test_a_prompt_sharing_a_system_prompt_gets_that_much_kv_state_alone():
     assert taken.offset == 100 and taken.keys.shape[2] == taken.values.shape[2] == 100
     assert np.array_equal(np.array(taken.keys), np.array(keys[:, :, :100]))
     assert np.array_equal(np.array(taken.values), np.array(values[:, :, :100]))
+
+
+def rotating(tokens: int, window: int) -> RotatingKVCache:
+    layer = RotatingKVCache(max_size=window)
+    layer.update_and_fetch(mx.random.normal((1, 1, tokens, 8)), mx.random.normal((1, 1, tokens, 8)))
+    return layer
+
+
+@pytest.mark.parametrize("windowed", [True, False])
+def test_a_sliding_window_model_gets_a_short_chat_that_fits_its_window(windowed):
+    """Gemma 3's sliding layers can be trimmed to a match only while they fit
+    their window: a new chat sharing the system prompt of a cached long
+    conversation (cached first) and of a short chat gets its system prompt's
+    state from the short one, which the windowed search finds and the other
+    does not."""
+    cache = PrefixCache(1 << 30, windowed=windowed)
+    system = list(range(20))
+    cache.keep(system + list(range(100, 200)), [rotating(120, 64)])
+    cache.keep(system + [500] + list(range(300, 310)), [rotating(31, 64)])
+    _, reused = cache.take(system + [-1])
+    assert reused == (len(system) if windowed else 0)

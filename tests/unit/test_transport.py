@@ -110,3 +110,24 @@ def test_a_message_whose_handling_fails_does_not_stop_the_next(tmp_path, caplog)
 
     assert asyncio.run(gateway()) == [b"first", b"second"]
     assert "handling a message from a worker failed" in caplog.text
+
+
+def test_once_stopped_no_message_is_handed_over(tmp_path):
+    """A drain already scheduled when the link stops listening (by a send, or
+    the reader's start) hands nothing over: closing must not start answers."""
+    endpoint = f"ipc://{tmp_path}/link/w.sock"
+
+    async def gateway() -> list[bytes]:
+        transport = Transport(endpoint)
+        transport.bind()
+        handled: list[bytes] = []
+        with worker_socket(endpoint) as socket:
+            socket.send(b"hello")
+            time.sleep(0.2)  # in the gateway's socket before the loop looks
+            transport.listen(lambda identity, frame: handled.append(frame))  # schedules a first drain
+            transport.stop_listening()
+            await asyncio.sleep(0.1)
+        transport.close()
+        return handled
+
+    assert asyncio.run(gateway()) == []

@@ -17,6 +17,7 @@ from protocol import AddRequest, Sampling, Tensor
 from tests.reference import VisionReference
 from tests.tiny_vision_model import make_tiny_vision_model, processed
 from worker.engine import IMAGE_WORK_SHARE, Engine
+from worker.prefix_cache import PrefixCache
 from worker.tower import evaluate_in_pieces
 from worker.vision import MIN_CHUNK, UnsupportedVisionModel, VisionPrefill, chunk_size, load_vision_model, token_seconds
 
@@ -37,12 +38,12 @@ def reference(vision_model):
     return VisionReference(vision_model)
 
 
-def engine_for(path, image_work_share: float = IMAGE_WORK_SHARE) -> Engine:
+def engine_for(path, image_work_share: float = IMAGE_WORK_SHARE, prefix_cache: PrefixCache | None = None) -> Engine:
     model, image_token_id = load_vision_model(path)
     vision = VisionPrefill(model, image_token_id, CHUNK, None)
     return Engine(vision.language_model, eos_token_ids=[], vocab_size=model.config.vocab_size, context_length=2048,
                   capacity=8, prefill_batch_size=4, prefill_step_size=CHUNK, vision=vision,
-                  image_work_share=image_work_share)
+                  image_work_share=image_work_share, prefix_cache=prefix_cache)
 
 
 def add_image_request(engine: Engine, reference: VisionReference, image: Image.Image) -> int:
@@ -143,6 +144,25 @@ def test_a_request_aborted_while_its_image_prefills_is_gone(vision_model, refere
     while engine.has_work:
         tokens += [t for o in engine.step() for t in o.token_ids]
     assert len(tokens) == 3
+
+
+def test_state_left_by_an_abort_as_an_image_request_joins_answers_right(vision_model, reference):
+    """Aborted in the step its prefill ends, before its last prompt token is
+    fed, a request leaves KV state for all its prompt but that token: filed
+    under as many tokens as it holds, it serves the same request again, whose
+    answer is mlx-vlm's."""
+    engine = engine_for(vision_model, prefix_cache=PrefixCache(1 << 30))
+    image = random_image(2)
+    prompt_length = add_image_request(engine, reference, image)
+    while engine._requests["image"].uid is None:  # until it joins mlx-lm's batch
+        assert engine.step() == []
+    engine.abort(["image"])
+    add_image_request(engine, reference, image)
+    outputs = []
+    while engine.has_work:
+        outputs += engine.step()
+    assert outputs[0].cached_tokens == prompt_length - 1
+    assert [t for o in outputs for t in o.token_ids] == reference.greedy(MESSAGES, [image], 12, ignore_eos=True).token_ids
 
 
 def test_an_untested_family_is_refused_at_load_naming_the_served_ones(tmp_path):
