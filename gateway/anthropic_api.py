@@ -183,6 +183,7 @@ class MessageOutput:
         self._calls = 0
         self._reason: str | None = None
         self._stop_string: str | None = None
+        self._held = ""  # whitespace alone opens no text block; it goes in front of the text after it
 
     def opening(self, group: RequestGroup) -> list[bytes]:
         # Before the first step nothing is known of the prefix cache: the whole prompt counts as input
@@ -197,7 +198,10 @@ class MessageOutput:
         if delta.reasoning and self._shows_thinking:
             out += blocks.add("thinking", {"type": "thinking_delta", "thinking": delta.reasoning})
         if delta.text and (delta.text.strip() or blocks.kind == "text"):
-            out += blocks.add("text", {"type": "text_delta", "text": delta.text})
+            out += blocks.add("text", {"type": "text_delta", "text": self._held + delta.text})
+            self._held = ""
+        elif delta.text:
+            self._held += delta.text
         for call in delta.tool_calls:
             self._calls += 1
             out += blocks.tool_use(call)
@@ -262,9 +266,11 @@ class Blocks:
         return out
 
     def tool_use(self, call: ToolCall) -> list[bytes]:
+        # Clients parse the pieces, put together, as the input object: arguments that are not one are {}.
+        partial_json = call.arguments if arguments_object(call.arguments) is not None else "{}"
         out = self.close()
         out.append(self._start("tool_use", {"type": "tool_use", "id": tool_use_id(call), "name": call.name, "input": {}}))
         out.append(event("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                                 "delta": {"type": "input_json_delta", "partial_json": call.arguments}}))
+                                                 "delta": {"type": "input_json_delta", "partial_json": partial_json}}))
         out += self.close()
         return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
@@ -25,6 +26,8 @@ import msgspec
 from gateway.parsing import StopMatcher, StreamParser, ToolCall
 from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
 from protocol import AddRequest, RequestOutput, Sampling, StepOutput, Tensor, TokenLogprob
+
+log = logging.getLogger("mlxd.gateway")
 
 
 @dataclass(slots=True)
@@ -179,7 +182,14 @@ class OutputProcessor:
             if state is None:
                 continue  # ended here already (aborted, failed): the worker had not heard yet
             self.tokens_generated += len(output.token_ids)
-            state.queue.put_nowait(state.render(output))
+            try:
+                delta = state.render(output)
+            except Exception:  # one request's rendering must not cost the others in this step their outputs
+                log.exception("rendering the output of request %s failed", state.request_id)
+                self.fail(state.request_id, "the server could not render this request's output", 500)
+                aborts.append(state.request_id)
+                continue
+            state.queue.put_nowait(delta)
             if not state.running:
                 del self._requests[state.request_id]
                 if state.status is RequestStatus.STOPPED:

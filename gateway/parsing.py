@@ -206,7 +206,7 @@ class ToolCallParser:
         """The calls a JSON object (or list of them) describes; None if it is not one."""
         try:
             value = json.loads(text.strip())
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or JSON Python will not read (a 5,000-digit number, deep nesting)
             return None
         items = value if isinstance(value, list) else [value]
         calls = []
@@ -367,6 +367,6 @@ def arguments_object(arguments: str) -> dict | None:
     """A tool call's arguments (JSON text) as an object; None when they are not one."""
     try:
         value = json.loads(arguments)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None

@@ -174,7 +174,8 @@ class Engine:
             if self.grammars is None:
                 raise InvalidRequest("this worker cannot follow grammars")
             try:
-                processors.append(self.grammars.processor(s.grammar))
+                generated = request.prompt_token_ids[len(request.prompt_token_ids) - request.generated_tokens:]
+                processors.append(self.grammars.processor(s.grammar, generated))
             except GrammarError as e:
                 raise InvalidRequest(f"unusable grammar: {e}") from None
         prompt = request.prompt_token_ids
@@ -238,25 +239,29 @@ class Engine:
             if budget == math.inf or perf_counter() >= deadline:
                 break
 
-    def abort(self, request_ids: list[str]) -> None:
-        """Drop requests; unknown or finished ids are ignored (aborts are idempotent)."""
+    def abort(self, request_ids: list[str], keep: bool = True) -> None:
+        """Drop requests; unknown or finished ids are ignored (aborts are
+        idempotent). Their KV state goes to the prefix cache unless not `keep`."""
         dropped = [self._requests[r] for r in dict.fromkeys(request_ids) if r in self._requests]
         if not dropped:
             return
         if joined := [r.uid for r in dropped if r.uid is not None]:
-            caches = self._generator.remove(joined, return_prompt_caches=self.prefix_cache is not None)
-            if self.prefix_cache is not None:
+            keeper = self.prefix_cache if keep else None
+            caches = self._generator.remove(joined, return_prompt_caches=keeper is not None)
+            if keeper is not None:
                 for uid, (cache, tokens) in caches.items():
-                    self.prefix_cache.keep(self._cache_key(self._by_uid[uid], tokens), cache)
+                    keeper.keep(self._cache_key(self._by_uid[uid], tokens), cache)
         if len(joined) < len(dropped):  # some were still prefilling their images
             ids = {r.request_id for r in dropped}
             self._prefilling = deque(p for p in self._prefilling if p[0].admitted.request_id not in ids)
         for admitted in dropped:
             self._finish(admitted)
 
-    def abort_all(self) -> list[str]:
+    def abort_all(self, failed: bool = False) -> list[str]:
+        """Drop every request. After a failed step nothing is kept: a step cut
+        short inside mlx-lm may have moved a row's KV state and not its tokens."""
         ids = list(self._requests)
-        self.abort(ids)
+        self.abort(ids, keep=not failed)
         return ids
 
     def _finish(self, admitted: Admitted) -> None:
@@ -297,6 +302,7 @@ class Engine:
             self._started(self._by_uid[r.uid])
         outputs = []
         wanted = []
+        finished = []
         disk = self.prefix_cache.disk if self.prefix_cache is not None else None
         for r in generation_responses:
             admitted = self._by_uid[r.uid]
@@ -315,9 +321,13 @@ class Engine:
             if r.finish_reason is not None:
                 if self.prefix_cache is not None:
                     self.prefix_cache.keep(self._cache_key(admitted, r.all_tokens), r.prompt_cache)
-                self._finish(admitted)
+                finished.append(admitted)
         if wanted:
             self._attach_logprobs(wanted)
+        # Forgotten once the step has all gone well: should any of it fail,
+        # abort_all still names them, and their clients get an error.
+        for admitted in finished:
+            self._finish(admitted)
         return outputs
 
     @staticmethod

@@ -31,7 +31,9 @@ class Grammars:
         self._eos = eos_token_ids
         self._tokenizer: llguidance.LLTokenizer | None = None
 
-    def processor(self, grammar: str):
+    def processor(self, grammar: str, generated: list[int]):
+        """A processor for `grammar`, past the tokens already `generated`
+        under it (a request resumed on this worker after a lost one)."""
         if self._tokenizer is None:
             self._tokenizer = llguidance.hf.from_tokenizer(
                 self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos[0] if self._eos else None
@@ -39,6 +41,8 @@ class Grammars:
         matcher = llguidance.LLMatcher(self._tokenizer, grammar)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
+        if generated and not matcher.consume_tokens(generated):
+            raise GrammarError(f"the tokens already generated do not follow it: {matcher.get_error()}")
         return GrammarProcessor(matcher, self._vocab_size)
 
 

@@ -217,7 +217,7 @@ class Worker(EngineRunner):
                 raise  # a group's ranks would part ways: it goes down as one worker, and its requests resume
             # A failed step must not take the other requests' worker down.
             log.exception("engine step failed; failing every active request")
-            for request_id in self.engine.abort_all():
+            for request_id in self.engine.abort_all(failed=True):
                 self.send(Error(request_id, f"engine step failed: {e}"))
             return
         if self.channel is not None:

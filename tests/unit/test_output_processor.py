@@ -144,3 +144,24 @@ def test_a_cancel_that_lands_with_a_delta_still_ends_the_reader(tokenizer):
             await reader
 
     asyncio.run(cancelled_as_text_arrives())
+
+
+class BrokenParser:
+    """A request whose output cannot be rendered (any fault in its parsing)."""
+
+    def feed(self, text: str, final: bool):
+        raise RuntimeError("cannot parse")
+
+
+def test_a_request_that_cannot_be_rendered_costs_no_other_its_output(tokenizer):
+    processor = OutputProcessor()
+    broken = RequestState("broken", asyncio.Queue(), [1, 2], Sampling(max_tokens=100), tokenizer, [], 0, BrokenParser())
+    fine = stream(tokenizer, "fine")
+    processor.add(broken)
+    processor.add(fine)
+    ids = tokenizer.encode_text("The quick brown fox")
+    assert processor.process(step(RequestOutput("broken", ids), RequestOutput("fine", ids))) == ["broken"]
+    assert "".join(d.text for d in drained(fine)) == "The quick brown fox"
+    (error,) = drained(broken)
+    assert error.finish_reason == "error" and error.error_status == 500
+    assert processor.get("broken") is None and processor.get("fine") is fine

@@ -7,6 +7,7 @@ from gateway.parsing import (
     MessageParser,
     ReasoningSplitter,
     ToolCallParser,
+    arguments_object,
     detect_reasoning,
     detect_tool_family,
     stream_parsers,
@@ -77,6 +78,16 @@ def test_hermes_two_calls():
 def test_hermes_bad_json_stays_text():
     content, calls = parse_all(ToolCallParser("hermes"), ["<tool_call>not json</tool_call>"])
     assert calls == [] and content == "<tool_call>not json</tool_call>"
+
+
+@pytest.mark.parametrize("arguments", ["9" * 5000, "[" * 100_000 + "]" * 100_000])
+def test_hermes_json_python_will_not_read_stays_text(arguments):
+    """A 5,000-digit number (over Python's limit for int()) or nesting past
+    the recursion limit: text, not an exception in the step that renders
+    every stream's output."""
+    text = f'<tool_call>{{"name": "f", "arguments": {{"x": {arguments}}}}}</tool_call>'
+    assert parse_all(ToolCallParser("hermes"), [text]) == (text, [])
+    assert arguments_object(f'{{"x": {arguments}}}') is None
 
 
 def test_hermes_unclosed_call_at_the_end_is_parsed_if_it_is_json():

@@ -1,0 +1,88 @@
+"""The engine at its edges, in-process on the tiny model: a constrained
+request resumed part-way through its answer, and a step that fails part-way."""
+
+from __future__ import annotations
+
+import llguidance
+import pytest
+
+from protocol import AddRequest, Sampling
+from worker.engine import Engine
+from worker.grammar import Grammars
+from worker.model import load_model
+from worker.prefix_cache import PrefixCache
+
+SENTENCE = "The quick brown fox jumps over the lazy dog."
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model):
+    return load_model(str(tiny_model))
+
+
+def engine_for(loaded, prefix_cache: PrefixCache | None = None) -> Engine:
+    return Engine(loaded.model, eos_token_ids=loaded.eos_token_ids, vocab_size=loaded.vocab_size,
+                  context_length=512, capacity=8, prefill_batch_size=4, prefill_step_size=64,
+                  grammars=Grammars(loaded.hf_tokenizer, loaded.vocab_size, loaded.eos_token_ids),
+                  prefix_cache=prefix_cache)
+
+
+def answers(engine: Engine, *requests: AddRequest) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    for request in requests:
+        engine.add(request)
+    while engine.has_work:
+        for output in engine.step():
+            out[output.request_id] += output.token_ids
+    return out
+
+
+def test_a_constrained_request_resumed_part_way_goes_on_where_it_was(loaded):
+    """A worker lost mid-answer: the gateway sends the prompt with the tokens
+    so far to the next one, whose grammar must start past them."""
+    grammar = llguidance.grammar_from("lark", f'start: "{SENTENCE}"')
+    prompt = loaded.hf_tokenizer.encode("Once upon a time")
+    whole = answers(engine_for(loaded), AddRequest("a", prompt, Sampling(max_tokens=40, grammar=grammar)))["a"]
+    assert loaded.hf_tokenizer.decode(whole, skip_special_tokens=True) == SENTENCE
+    for k in (1, 3, len(whole) - 2):
+        rest = answers(engine_for(loaded), AddRequest("a", prompt + whole[:k], Sampling(max_tokens=40 - k, grammar=grammar),
+                                                      generated_tokens=k))["a"]
+        assert whole[:k] + rest == whole
+
+
+def test_tokens_off_the_grammar_are_refused_on_resuming(loaded):
+    grammar = llguidance.grammar_from("lark", f'start: "{SENTENCE}"')
+    prompt = loaded.hf_tokenizer.encode("Once upon a time")
+    off = loaded.hf_tokenizer.encode("A cat", add_special_tokens=False)
+    with pytest.raises(ValueError, match="do not follow"):
+        engine_for(loaded).add(AddRequest("a", prompt + off, Sampling(max_tokens=8, grammar=grammar),
+                                          generated_tokens=len(off)))
+
+
+class FailingKeep(PrefixCache):
+    """Filing the second finished request fails (as an out-of-memory would)."""
+
+    def keep(self, tokens, cache):
+        self.kept = getattr(self, "kept", 0) + 1
+        if self.kept == 2:
+            raise MemoryError("filing a finished request's KV state")
+        super().keep(tokens, cache)
+
+
+def test_a_step_that_fails_part_way_leaves_no_request_unanswered(loaded):
+    """Two requests finish in the step that fails as the second is filed: the
+    first, already filed, must still be among those the worker fails (its
+    client gets an error, not silence); the one still running is failed too,
+    and nothing of the failed step goes into the prefix cache."""
+    cache = FailingKeep(1 << 30)
+    engine = engine_for(loaded, cache)
+    prompt = loaded.hf_tokenizer.encode("Once upon a time")
+    for request_id, tokens in (("A", 2), ("B", 2), ("C", 50)):
+        engine.add(AddRequest(request_id, prompt + [ord(request_id)],
+                              Sampling(max_tokens=tokens, ignore_eos=True)))
+    with pytest.raises(MemoryError):
+        while True:
+            engine.step()
+    filed = len(cache._lru)
+    assert sorted(engine.abort_all(failed=True)) == ["A", "B", "C"]
+    assert len(cache._lru) == filed and not engine.has_work
