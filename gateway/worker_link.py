@@ -301,7 +301,8 @@ class WorkerLink:
 
     def _dispatch(self, state: RequestState) -> WorkerState | None:
         """Send the request (or its continuation) to the ready worker serving its
-        weights that the module's docstring says; None if there is none."""
+        weights that the module's docstring says; None if there is none, or
+        the send failed (the request then waits for one)."""
         ready = [w for w in self.workers.values() if w.ready and w.hello.model_digest == state.model_digest]
         if not ready:
             return None
@@ -311,9 +312,14 @@ class WorkerLink:
         blocks = prefix_blocks(message.prompt_token_ids)
         worker = max((w for w in ready if load[w.identity] <= least + AFFINITY_SLACK),
                      key=lambda w: (w.prefixes.matched(blocks), -load[w.identity]))
+        if not self.transport.send(worker.identity, message, state.buffers):
+            # Its connection is gone: over tcp perhaps a blip the worker comes
+            # back from. The request waits for a worker as a lost one's do.
+            self._resume_by[state.request_id] = time.monotonic() + self.worker_wait_s
+            asyncio.get_running_loop().call_soon(self._on_disconnect, worker.identity)
+            return None
         worker.prefixes.add(blocks)
         state.worker = worker.identity
-        self._send(worker.identity, message, state.buffers)
         return worker
 
     def _send(self, identity: bytes, message: ToWorker, buffers: Sequence[Any] = ()) -> None:
@@ -471,8 +477,8 @@ class WorkerLink:
                 continue
             w = self._dispatch(state)
             if w is None:
-                other = next((o for o in self.workers.values()
-                              if o.ready and set(o.names) & set(state.model_names)), None)
+                other = next((o for o in self.workers.values() if o.ready and o.hello.model_digest != state.model_digest
+                              and set(o.names) & set(state.model_names)), None)
                 if other is not None:  # its model's name is served by other weights now
                     del self._resume_by[request_id]
                     self._fail_after_loss(request_id, f"the worker came back serving other weights "

@@ -1,16 +1,29 @@
-"""The link answering Hellos: replicas that say Hello together share one
-tokenizer load; a worker gone before its answer is not taken on; a retried
-Hello with a Goodbye behind it leaves no worker; a Hello the gateway cannot
-serve is refused with the reason."""
+"""The link answering Hellos and sending requests: replicas that say Hello
+together share one tokenizer load; a worker gone before its answer is not
+taken on; a retried Hello with a Goodbye behind it leaves no worker; a Hello
+the gateway cannot serve is refused with the reason; a request whose send
+fails waits for the next worker."""
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import zmq
 
+from gateway.output_processor import RequestState
 from gateway.worker_link import WorkerLink
-from protocol import PROTOCOL_VERSION, Goodbye, Hello, Refused, Welcome, decode_to_worker, encode
+from protocol import (
+    PROTOCOL_VERSION,
+    AddRequest,
+    Goodbye,
+    Hello,
+    Refused,
+    Sampling,
+    Welcome,
+    decode_to_worker,
+    encode,
+)
 
 
 def hello(files: dict[str, bytes], epoch: int, **fields) -> bytes:
@@ -116,5 +129,30 @@ def test_a_hello_the_gateway_cannot_serve_is_refused_with_the_reason(tiny_model,
             refused = await answer(socket)
             assert isinstance(refused, Refused) and "cannot serve this worker" in refused.reason
             assert not link.workers
+
+    asyncio.run(run())
+
+
+def test_a_request_whose_send_fails_waits_for_the_next_worker(tiny_model, tmp_path):
+    """The worker's connection is gone when a request is sent to it (over tcp
+    perhaps a network blip it comes back from): the request is not lost in
+    the send, it goes to the next worker that says Hello."""
+    files = tokenizer_files(tiny_model)
+
+    async def run() -> None:
+        async with link_and_workers(f"ipc://{tmp_path}/link/w.sock", 2) as (link, (first, second)):
+            first.send(hello(files, 1))
+            assert isinstance(await answer(first), Welcome)
+            worker = link.workers[b"worker-1"]
+            first.close(linger=0)
+            time.sleep(0.2)  # ZeroMQ has dropped the connection; the loop has not heard yet
+            state = RequestState("r1", asyncio.Queue(), [1, 2, 3], Sampling(max_tokens=4), worker.tokenizer, [])
+            link.submit(state, worker)
+            assert link.requests_waiting == 1
+            second.send(hello(files, 2))
+            assert isinstance(await answer(second), Welcome)
+            request = await answer(second)
+            assert isinstance(request, AddRequest) and request.request_id == "r1"
+            assert link.requests_waiting == 0 and state.worker == b"worker-2"
 
     asyncio.run(run())
