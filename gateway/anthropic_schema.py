@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from gateway.openai_schema import MAX_INT, KeepAlive
+from gateway.openai_schema import MAX_INT, KeepAlive, StopStrings
 
 # What the current SDK (anthropic 2.12, beta types included) defines is
 # accepted: honoured where mlxd can, otherwise ignored, and each ignored field
@@ -205,7 +205,7 @@ class Conversation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class MessagesRequest(Conversation, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1, le=MAX_INT)]
-    stop_sequences: Annotated[list[str], Meta(max_length=16)] | None = None
+    stop_sequences: StopStrings | None = None
     # No longer arguments of the SDK's create(), but sent by clients in extra_body.
     temperature: Annotated[float, Meta(ge=0, le=1)] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None

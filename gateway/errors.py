@@ -108,6 +108,8 @@ def decode_body(body: bytes, request_type: type):
         raise invalid(e) from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"The body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "The body's JSON is nested too deeply", code="invalid_json") from None
 
 
 def convert(value: Any, kind: type, param: str) -> Any:

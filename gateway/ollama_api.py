@@ -251,7 +251,8 @@ class OllamaAPI:
         serving = self.serving
         if keep_alive_seconds(keep_alive) == 0:
             name = serving.served_name(model, serving.model_names())
-            if serving.pool.find(name) is not None:
+            pooled = serving.pool.find(name)
+            if pooled is not None and not pooled.pinned:  # an operator's pin outlasts a client's unload
                 await serving.pool.unload(name)
             reason = "unload"
         else:

@@ -13,6 +13,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from gateway.openai_schema import Seed, StopStrings
+
 MAX_INT = 2**31 - 1
 KeepAlive = str | float | None
 
@@ -22,11 +24,11 @@ class Options(msgspec.Struct):
 
     temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
     top_p: Annotated[float, Meta(ge=0, le=1)] | None = None
-    top_k: Annotated[int, Meta(ge=0)] | None = None
+    top_k: Annotated[int, Meta(ge=0, le=MAX_INT)] | None = None
     min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     num_predict: Annotated[int, Meta(ge=-2, le=MAX_INT)] | None = None  # -1: no limit, -2: fill the context
-    stop: list[str] | None = None
+    stop: StopStrings | None = None
     repeat_penalty: Annotated[float, Meta(gt=0)] | None = None
     presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None

@@ -114,9 +114,10 @@ def input_items(body: CreateResponse) -> list[Any]:
         return [MessageItem("user", body.input)]
     items = []
     for i, raw in enumerate(body.input):
-        kind = ITEM_TYPES.get(raw.get("type", "message"))
+        item_type = raw.get("type", "message")
+        kind = ITEM_TYPES.get(item_type) if isinstance(item_type, str) else None
         if kind is None:
-            raise APIError(400, f"input items of type {raw.get('type')!r} are not supported", param=f"input[{i}].type")
+            raise APIError(400, f"input items of type {item_type!r} are not supported", param=f"input[{i}].type")
         items.append(convert(raw, kind, f"input[{i}]"))
     return items
 

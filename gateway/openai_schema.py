@@ -17,6 +17,11 @@ from msgspec import Meta
 MAX_INT = 2**63 - 1
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+# Stop strings are matched against the text at every token, on the event loop every stream shares.
+MAX_STOP_STRINGS = 16
+StopString = Annotated[str, Meta(max_length=1024)]
+StopStrings = Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]
+Seed = Annotated[int, Meta(ge=-MAX_INT - 1, le=MAX_INT)]
 
 # An extension (Ollama's) every generation body takes: how long the model stays
 # loaded once idle, in seconds or as a duration ("5m"); negative is forever.
@@ -88,8 +93,8 @@ class GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     top_p: Annotated[float, Meta(ge=0, le=1)] | None = None  # 0: only the likeliest token (greedy)
     top_k: Annotated[int, Meta(ge=-1, le=MAX_INT)] | None = None
     min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
-    seed: Annotated[int, Meta(ge=-MAX_INT - 1, le=MAX_INT)] | None = None
-    stop: str | Annotated[list[str], Meta(max_length=16)] | None = None
+    seed: Seed | None = None
+    stop: StopString | StopStrings | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
     presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None

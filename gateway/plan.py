@@ -9,6 +9,7 @@ Plan and a worker, `Serving` (gateway/serving.py) builds the grammar and one
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -21,6 +22,8 @@ from gateway.sampling_defaults import SamplingDefaults
 from gateway.structured import forced_tool_call_grammar, json_schema_grammar, named_tool
 from protocol import Sampling
 from protocol.units import parse_duration
+
+TOKEN_ID = re.compile(r"-?[0-9]+")  # ASCII digits alone: str.isdigit takes "²", which int() refuses
 
 
 @dataclass
@@ -61,7 +64,7 @@ class SamplingParams:
         """One Sampling per choice."""
         bias = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+            if not TOKEN_ID.fullmatch(key) or not 0 <= int(key) < vocab_size:
                 raise APIError(400, f"logit_bias key {key!r} is not a token id of this model (0..{vocab_size - 1})",
                                param="logit_bias")
             bias[int(key)] = value

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import os
 import tempfile
@@ -40,6 +41,11 @@ from protocol.codec import TENSOR_DTYPES  # noqa: E402
 # travel as such, and per-token masks would make the images' tensors (and so
 # their cache keys in the worker) depend on the text around them.
 PROMPT_ARRAYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
+# What a client's chat_template_kwargs may not set: apply_chat_template's own
+# arguments (a template of the client's own, tokenizing, the conversation)
+# and the messages the server renders.
+RESERVED_TEMPLATE_KWARGS = (frozenset(inspect.signature(transformers.PreTrainedTokenizerBase.apply_chat_template).parameters)
+                            - {"self", "kwargs"}) | {"messages"}
 
 
 class PromptError(ValueError):
@@ -151,6 +157,9 @@ class Tokenizer:
             raise PromptError("this model has no chat template; use /v1/completions")
         if not messages:
             raise PromptError("there is nothing to answer: the conversation has no message with content")
+        if reserved := sorted(RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or ())):
+            raise PromptError(f"chat_template_kwargs may not set {', '.join(reserved)}: the server renders the "
+                              "model's own chat template over the request's messages")
         template_tools: list[dict[str, Any] | Callable[..., Any]] | None = list(tools) if tools else None
         vision = self.processor is not None
         messages = [{**m, "content": _template_content(m["content"], vision)} for m in messages]
@@ -158,7 +167,7 @@ class Tokenizer:
             text = self._tok.apply_chat_template(
                 messages, tools=template_tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
             )
-        except TemplateError as e:
+        except (TemplateError, TypeError, ValueError) as e:  # the last two: values of chat_template_kwargs it cannot use
             raise PromptError(f"the model's chat template rejected these messages: {e}") from None
         assert isinstance(text, str)  # tokenize=False
         return text

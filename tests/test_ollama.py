@@ -119,6 +119,20 @@ def test_load_and_unload_with_an_empty_request(tiny_model, tmp_path):
         srv.stop()
 
 
+def test_a_pinned_model_outlasts_a_clients_unload(tiny_model, tmp_path):
+    """keep_alive 0 is any client's to send; keeping a model loaded is the operator's (--pin) to say."""
+    srv = Server(["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME, "--pin", MODEL_NAME],
+                 tmp_path / "pinned.log")
+    try:
+        wait_for(srv.answers, 30, "the gateway")
+        client = ollama.Client(host=srv.url)
+        assert client.generate(model=MODEL_NAME).done_reason == "load"
+        client.generate(model=MODEL_NAME, keep_alive=0)
+        assert [m.model for m in client.ps().models] == [MODEL_NAME + ":latest"]
+    finally:
+        srv.stop()
+
+
 @pytest.mark.parametrize("path,body,status,words", [
     ("/api/chat", {"model": "nope", "messages": MESSAGES}, 404, "does not exist"),
     ("/api/chat", {"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
