@@ -122,5 +122,8 @@ class RequestCounter:
         try:
             await self.app(scope, receive, recording_send)
         finally:
-            endpoint = scope["path"] if scope["path"].startswith(("/v1/", "/api/")) else "other"
+            # The route's template, never the path the client wrote: that would let anyone (a 401 too)
+            # write into the metrics and add a counter per path, without end.
+            route = getattr(scope.get("route"), "path", "")
+            endpoint = route if route.startswith(("/v1/", "/api/")) else "other"
             self.metrics.requests[(endpoint, status)] += 1

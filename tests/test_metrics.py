@@ -39,3 +39,16 @@ def test_metrics_count_requests_tokens_and_latencies(server):
     assert after['mlxd_time_to_first_token_seconds_bucket{le="+Inf"}'] == after["mlxd_time_to_first_token_seconds_count"]
     assert after["mlxd_worker_ready"] == 1
     assert after["mlxd_worker_epoch"] == float(server.health()["worker"]["epoch"])
+
+
+def test_requests_are_counted_by_route_never_by_the_path_sent(server):
+    """A path is the client's to write: counted by the route it matched (or
+    as "other"), it neither writes into the metrics nor adds a counter."""
+    before = scrape(server)
+    assert server.http.get("/v1/x%22%7D%201%0Amlxd_forged%7Ba%3D%22").status_code == 404
+    for response_id in ("resp_a", "resp_b"):
+        assert server.http.get(f"/v1/responses/{response_id}").status_code == 404
+    after = scrape(server)  # every line still parses
+    assert not any("forged" in name or "resp_" in name for name in after)
+    key = 'mlxd_requests_total{endpoint="/v1/responses/{response_id}",status="404"}'
+    assert after.get(key, 0) - before.get(key, 0) == 2
