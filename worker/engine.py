@@ -5,6 +5,7 @@ Runs on the worker's main thread only; every method may call into MLX.
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections import deque
@@ -23,6 +24,8 @@ from worker.joins import fold_joins
 from worker.prefix_cache import PrefixCache
 from worker.sampling import make_sampler
 from worker.vision import VisionPrefill, images_key
+
+log = logging.getLogger("mlxd.worker")
 
 MAX_TOP_LOGPROBS = 20
 # Image work in a step that also decodes is held to this share of a decode
@@ -99,6 +102,8 @@ class Engine:
         # Read by the heartbeat thread: a plain counter, never an iteration
         # over a dict the main thread is changing.
         self.waiting = 0
+        # Requests the engine dropped on its own, and why: the worker tells their clients.
+        self.failed: list[tuple[str, str]] = []
 
     @property
     def has_work(self) -> bool:
@@ -189,14 +194,14 @@ class Engine:
         joining = Joining(admitted, max_tokens, make_sampler(s, self.vocab_size), processors,  # type: ignore[arg-type]
                           StopSequences([[t] for t in stop_ids]))
         if vision is not None and images is not None:
-            tensors = {t.name: np.frombuffer(b, dtype=t.dtype).reshape(t.shape)
-                       for t, b in zip(request.tensors, buffers)}
-            pieces = vision.prefill(prompt, media_end, images, tensors, cache, reused)
-            admitted.cache_key = key
             try:
+                tensors = {t.name: np.frombuffer(b, dtype=t.dtype).reshape(t.shape)
+                           for t, b in zip(request.tensors, buffers)}
+                pieces = vision.prefill(prompt, media_end, images, tensors, cache, reused)
                 next(pieces)  # builds the work: inputs this model cannot take show here
-            except (ValueError, TypeError, IndexError) as e:
+            except Exception as e:  # of whatever kind each family's code raises (an out-of-memory too): this request's
                 raise InvalidRequest(f"the vision model cannot take these inputs: {e}") from None
+            admitted.cache_key = key
             self._prefilling.append((joining, prompt, pieces))
         else:
             self._join(joining, prompt[reused:], prompt[:reused], vision.batch_cache(cache) if vision else cache)
@@ -236,6 +241,11 @@ class Engine:
             except StopIteration as finished:
                 self._prefilling.popleft()
                 self._join(joining, prompt[-1:], prompt[:-1], finished.value)
+            except Exception as e:  # its image work alone failed (an out-of-memory in the tower): not the others'
+                log.exception("the image work of request %s failed", joining.admitted.request_id)
+                self._prefilling.popleft()
+                self._finish(joining.admitted)
+                self.failed.append((joining.admitted.request_id, f"its images could not be encoded: {e}"))
             if budget == math.inf or perf_counter() >= deadline:
                 break
 
@@ -295,7 +305,9 @@ class Engine:
         prompt_responses, generation_responses = self._generator.next()
         # Timed only without image work beside it: the GPU runs the two at once,
         # and a budget that grew with the steps it lengthens would feed itself.
-        if generation_responses and not prompt_responses and not piece:
+        # The first is timed regardless (its image work the least a piece holds):
+        # under steady image traffic from the start, none would ever be.
+        if generation_responses and not prompt_responses and (not piece or not self._decode_seconds):
             self._decode_seconds.append(perf_counter() - started)
         self.steps += 1
         for r in prompt_responses:

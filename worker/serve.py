@@ -220,6 +220,9 @@ class Worker(EngineRunner):
             for request_id in self.engine.abort_all(failed=True):
                 self.send(Error(request_id, f"engine step failed: {e}"))
             return
+        for request_id, why in self.engine.failed:
+            self.send(Error(request_id, why))
+        self.engine.failed.clear()
         if self.channel is not None:
             self.checksum = tokens_checksum(outputs)
         self.memory = memory_stats()

@@ -72,10 +72,13 @@ def recording(blocks: list) -> Iterator[list[list[mx.array]]]:
 def evaluate_in_pieces(tape: list[list[mx.array]], budget: float) -> Generator[None, float, None]:
     """Evaluate the recorded outputs in order, yielding once a piece has spent
     `budget` seconds (each piece runs at least one block); the budget of the
-    next piece comes with the `send` that resumes it."""
+    next piece comes with the `send` that resumes it. The tape lets go of
+    each block's outputs once they are computed."""
     start = perf_counter()
     for i, outputs in enumerate(tape):
         if i and perf_counter() - start >= budget:
             budget = yield
             start = perf_counter()
         mx.eval(outputs)
+        # The next block's graph holds what it needs of these; the tape would keep every block's until the end.
+        outputs.clear()

@@ -16,7 +16,7 @@ from PIL import Image
 from protocol import AddRequest, Sampling, Tensor
 from tests.reference import VisionReference
 from tests.tiny_vision_model import make_tiny_vision_model, processed
-from worker.engine import IMAGE_WORK_SHARE, Engine
+from worker.engine import IMAGE_WORK_SHARE, Engine, InvalidRequest
 from worker.prefix_cache import PrefixCache
 from worker.tower import evaluate_in_pieces
 from worker.vision import MIN_CHUNK, UnsupportedVisionModel, VisionPrefill, chunk_size, load_vision_model, token_seconds
@@ -116,6 +116,21 @@ def test_a_spent_budget_still_runs_a_block_per_piece():
     assert count_pieces(tape, math.inf) == 1
 
 
+def test_the_pieces_hold_one_blocks_outputs_not_every_blocks():
+    """A large image's tower: twenty blocks of 4 MB each, run in pieces; once
+    run, the memory the blocks' outputs hold is the last block's alone."""
+    first = mx.zeros((1024, 1024))
+    mx.eval(first)
+    before = mx.get_active_memory()
+    tape, x = [], first
+    for _ in range(20):
+        x = x * 1.0001 + 1
+        tape.append([x])
+    del x
+    assert count_pieces(tape, 0.0) == 20
+    assert mx.get_active_memory() - before <= 2 * first.nbytes
+
+
 def test_the_budget_does_not_change_the_cache(vision_model, reference):
     model, image_token_id = load_vision_model(vision_model)
     vision = VisionPrefill(model, image_token_id, CHUNK, None)
@@ -163,6 +178,54 @@ def test_state_left_by_an_abort_as_an_image_request_joins_answers_right(vision_m
         outputs += engine.step()
     assert outputs[0].cached_tokens == prompt_length - 1
     assert [t for o in outputs for t in o.token_ids] == reference.greedy(MESSAGES, [image], 12, ignore_eos=True).token_ids
+
+
+def test_tensors_the_model_cannot_take_fail_their_request_alone(vision_model, reference):
+    """Shapes numpy or MLX will not build (65 dimensions): this request's
+    error, and the engine goes on serving."""
+    engine = engine_for(vision_model)
+    prompt, _ = processed(reference.processor, MESSAGES, random_image(3))
+    with pytest.raises(InvalidRequest, match="cannot take these inputs"):
+        engine.add(AddRequest("bad", prompt, Sampling(max_tokens=4), [Tensor("pixel_values", [1] * 65, "float32")]),
+                   [memoryview(bytes(4))])
+    assert not engine.has_work
+    add_image_request(engine, reference, random_image(4))
+    while engine.has_work:
+        engine.step()
+
+
+def failing_image_work():
+    yield  # built
+    raise MemoryError("the tower ran out of memory")
+
+
+def test_image_work_that_fails_fails_its_request_alone(vision_model, reference):
+    """A failure in a request's image work (an out-of-memory in its tower)
+    ends that request with the reason, not every request in the batch."""
+    engine = engine_for(vision_model)
+    engine.add(AddRequest("text", reference.tokenizer.encode("Once upon a time"), Sampling(max_tokens=6, ignore_eos=True)))
+    add_image_request(engine, reference, random_image(5))
+    failing = engine._prefilling[0][2]
+    engine._prefilling[0] = (*engine._prefilling[0][:2], failing_image_work())
+    next(engine._prefilling[0][2])
+    failing.close()
+    tokens = []
+    while engine.has_work:
+        tokens += [t for o in engine.step() if o.request_id == "text" for t in o.token_ids]
+    assert [request_id for request_id, _ in engine.failed] == ["image"] and "out of memory" in engine.failed[0][1]
+    assert len(tokens) == 6 and engine.waiting == engine.running == 0
+
+
+def test_a_decode_step_is_timed_under_image_work_from_the_start(vision_model, reference):
+    """Image requests arriving with the first text one: every step carries
+    image work, and the first decode step is timed all the same, so that the
+    image work gets a share of a step, not the least a piece can hold forever."""
+    engine = engine_for(vision_model)
+    engine.add(AddRequest("text", reference.tokenizer.encode("Once upon a time"), Sampling(max_tokens=50, ignore_eos=True)))
+    add_image_request(engine, reference, random_image(6))
+    while engine._prefilling:
+        engine.step()
+    assert engine._decode_seconds
 
 
 def test_an_untested_family_is_refused_at_load_naming_the_served_ones(tmp_path):
