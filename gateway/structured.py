@@ -94,9 +94,12 @@ AROUND = {"hermes": ("<tool_call>\n", "\n</tool_call>"), "mistral": ("[TOOL_CALL
 FAMILY_OF_PARSER = {"json_tools": "hermes", "mistral": "mistral", **{name: name for name in [*JSON_BODY, *TAGGED]}}
 
 
-def _tagged_value(schema: dict, close: str, tokens: Mapping[str, int]) -> str:
+def _tagged_value(schema: dict | bool, close: str, tokens: Mapping[str, int]) -> str:
     """One argument's value and its closing tag. Text is written raw: up to
-    the closing tag's `<` (so it may not hold one), or one of its enum values."""
+    the closing tag's `<` (so it may not hold one), or one of its enum values.
+    A schema of `true` (JSON Schema's "anything") is text."""
+    if not isinstance(schema, dict):
+        schema = {}
     if schema.get("enum") and all(isinstance(value, str) for value in schema["enum"]):
         return "(" + " | ".join(json.dumps(value) for value in schema["enum"]) + ") " + _text(close, tokens)
     if schema.get("type", "string") == "string":
@@ -109,9 +112,12 @@ def _tagged_call(tool: dict, family: str, tokens: Mapping[str, int]) -> str:
     call_open, arg_open, arg_close, call_close = TAGGED[family]
     function = tool["function"]
     schema = function.get("parameters") or {}
-    required = set(schema.get("required", []))
+    # Read leniently, as the JSON formats' grammars read a schema: what is not a list or an object is none.
+    required, properties = schema.get("required"), schema.get("properties")
+    required = required if isinstance(required, list) else []
+    properties = properties if isinstance(properties, dict) else {}
     arguments = []
-    for key, value in schema.get("properties", {}).items():
+    for key, value in properties.items():
         argument = f"{_text(arg_open.format(key=key), tokens)} {_tagged_value(value, arg_close, tokens)}"
         arguments.append(argument if key in required else f"({argument})?")
     return " ".join([_text(call_open.format(name=function["name"]), tokens), *arguments,

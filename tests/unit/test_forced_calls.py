@@ -71,3 +71,14 @@ def test_the_grammar_accepts_the_call_and_the_parser_reads_it_back(tokenizer, fa
     assert accepts(tokenizer, grammar, text)
     assert not accepts(tokenizer, grammar, text.replace("3", '"three"', 1))  # days must be an integer
     assert parsed(family, parser_name, text) == [("get_weather", ARGUMENTS)]
+
+
+@pytest.mark.parametrize("family", ["qwen3_coder", "glm47", "minimax_m2"])
+@pytest.mark.parametrize("parameters", [{"properties": {"city": True}}, {"properties": []}, {"required": 5},
+                                        {"properties": {"city": {"type": "string"}}, "required": "city"}])
+def test_a_tagged_format_reads_an_odd_schema_leniently(tokenizer, family, parameters):
+    """Schemas a JSON Schema validator takes (`true` for "anything") or a
+    client may send (a list for the properties): a grammar, not a 500."""
+    tokens = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+    assert forced_tool_call_grammar([tool], family, tokens)
