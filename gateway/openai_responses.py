@@ -360,7 +360,9 @@ class ResponseOutput:
         out = self._close_item()
         self._open = item
         index = len(self._items)
-        out.append(self._event("response.output_item.added", output_index=index, item=msgspec.to_builtins(item)))
+        # An item comes as it starts: a summary's part is added by its own event, as a message's is.
+        added = msgspec.structs.replace(item, summary=[]) if isinstance(item, ReasoningOut) else item
+        out.append(self._event("response.output_item.added", output_index=index, item=msgspec.to_builtins(added)))
         if isinstance(item, OutputMessage):
             part = OutputTextPart("")
             item.content.append(part)

@@ -34,7 +34,7 @@ class Refusal(msgspec.Struct, tag_field="type", tag="refusal", forbid_unknown_fi
 
 class InputImage(msgspec.Struct, tag_field="type", tag="input_image", forbid_unknown_fields=True):
     image_url: str | None = None  # a data: URL, or http(s) from a host of --allow-image-hosts
-    detail: Literal["auto", "low", "high"] | None = None
+    detail: Literal["auto", "low", "high", "original"] | None = None
     file_id: None = None  # no Files API here
 
 

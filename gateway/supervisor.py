@@ -145,7 +145,15 @@ class WorkerSupervisor:
         log.info("restarting worker pid %d on an admin request", self.process.pid)
         self._restart_requested = True
         self.process.send_signal(signal.SIGTERM)
+        # A draining worker is never called hung, and one stuck in a step never
+        # ends its drain: as for a stop, past its time it is killed.
+        asyncio.get_running_loop().call_later(self.stop_timeout_s, self._kill_if_running, self.process)
         return True
+
+    def _kill_if_running(self, process: asyncio.subprocess.Process) -> None:
+        if process.returncode is None:
+            log.warning("worker pid %d ignored SIGTERM for %gs; killing it", process.pid, self.stop_timeout_s)
+            _kill_group(process.pid)
 
     def stop_restarting(self) -> None:
         """The gateway is stopping: a worker that exits now stays down."""
@@ -167,8 +175,7 @@ class WorkerSupervisor:
             try:
                 await asyncio.wait_for(process.wait(), self.stop_timeout_s)
             except TimeoutError:
-                log.warning("worker pid %d ignored SIGTERM for %gs; killing it", process.pid, self.stop_timeout_s)
-                _kill_group(process.pid)
+                self._kill_if_running(process)
                 await process.wait()
         if self._task is not None:
             self._task.cancel()

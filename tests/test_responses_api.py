@@ -194,4 +194,6 @@ def test_reasoning_comes_back_as_a_reasoning_item(reasoning_server, validate, su
     text = "".join(e["delta"] for e in events if e["type"] == prefix + ".delta")
     assert text == part["text"] and prefix + ".done" in kinds
     assert ("response.reasoning_summary_part.added" in kinds) == bool(summary)
+    added = next(e["item"] for e in events if e["type"] == "response.output_item.added")
+    assert added["summary"] == []  # its part comes with reasoning_summary_part.added, once
     assert events[-1]["response"]["output"][0] == dict(reasoning, id=events[-1]["response"]["output"][0]["id"])

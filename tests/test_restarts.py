@@ -95,11 +95,15 @@ class Split:
         self.model = model
         self.tmp_path = tmp_path
         self.endpoint = f"ipc://{tmp_path}/run/worker.sock"
-        self.gateway = Server(
-            ["gateway", "--worker-endpoint", self.endpoint, "--served-model-name", MODEL_NAME, *gateway_args],
-            tmp_path / "gateway.log",
-        )
+        self.gateway_args = ["gateway", "--worker-endpoint", self.endpoint, "--served-model-name", MODEL_NAME,
+                             *gateway_args]
+        self.gateway = Server(self.gateway_args, tmp_path / "gateway.log")
         self.workers: list[subprocess.Popen] = []
+
+    def restart_gateway(self) -> None:
+        """As `launchctl kickstart -k` does: stop it, start it again; the workers stay."""
+        self.gateway.stop()
+        self.gateway = Server(self.gateway_args, self.tmp_path / "gateway-again.log")
 
     def start_worker(self, *args: str) -> subprocess.Popen:
         log = open(self.tmp_path / f"worker{len(self.workers)}.log", "wb")
@@ -204,6 +208,28 @@ def test_supervised_worker_is_restarted_after_kill_9(tiny_model, tmp_path, expec
         server.stop()
 
 
+def test_an_admin_restart_of_a_stuck_worker_kills_it_past_its_drain(tiny_model, tmp_path):
+    """An operator restarts a worker because it misbehaves: one that cannot
+    act on SIGTERM (here stopped) is killed once its drain's time is up, and
+    a new one serves."""
+    server = Server(["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME, "--drain-s", "0.5",
+                     "--heartbeat-s", "0.1"], tmp_path / "serve.log")
+    try:
+        server.wait_ready()
+        stuck = server.health()["worker"]["pid"]
+        os.kill(stuck, signal.SIGSTOP)
+        assert server.http.post(f"/admin/workers/{stuck}/restart").status_code == 202
+        def replaced() -> bool:
+            worker = server.health()["worker"]  # no pid while none is connected
+            return worker.get("pid") not in (None, stuck) and worker["ready"]
+
+        wait_for(replaced, 30, "a new worker")
+        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+        assert server.http.post("/v1/completions", json=body).status_code == 200
+    finally:
+        server.stop()
+
+
 def test_frozen_worker_is_not_ready_then_recovers(split, expected):
     s = split("--worker-timeout-s", "1", "--worker-wait-s", "1.5", "--hung-worker-s", "60")
     worker = s.start_worker()
@@ -283,6 +309,23 @@ def test_gateway_sigterm_ends_open_streams_within_drain(split):
     assert reader.failure is None and reader.done  # ended cleanly: an error event, then [DONE]
     assert [e["message"] for e in reader.errors] == ["the server is shutting down"]
     assert 0 < len(reader.pieces)
+
+
+def test_a_worker_serves_the_gateway_started_after_its_own(split, expected):
+    """The upgrade's last step restarts the gateway and leaves the worker (a
+    launchd job of its own): the worker says Hello to the new gateway, which
+    serves through it."""
+    s = split()
+    worker = s.start_worker()
+    for _ in range(2):
+        s.gateway.wait_ready(30)
+        reader = StreamReader(s.gateway.url)
+        reader.start()
+        reader.join(60)
+        assert reader.failure is None and reader.done and reader.text == expected
+        assert s.gateway.health()["worker"]["pid"] == worker.pid
+        s.restart_gateway()
+    assert worker.poll() is None
 
 
 PTRACE_SEIZE, PTRACE_INTERRUPT, WALL = 0x4206, 0x4207, 0x40000000

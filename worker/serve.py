@@ -146,6 +146,9 @@ class Worker(EngineRunner):
         self._context = zmq.Context()
         self.socket = connect(self._context, settings, f"worker-{hello.epoch}")
         self.socket.setsockopt(zmq.LINGER, 1000)
+        # A gateway restarted (launchd's kickstart) knows nothing of this worker:
+        # when the connection drops, the Hello goes out again until welcomed.
+        self._connection = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
     def send(self, message) -> None:
         try:
@@ -299,7 +302,15 @@ class Worker(EngineRunner):
         return self.engine.has_work and time.monotonic() < self.drain_deadline
 
     def _greet(self) -> None:
-        """Until welcomed, (re)send the Hello: the gateway may not be there yet."""
+        """Until welcomed, (re)send the Hello: the gateway may not be there yet,
+        or be another since the connection dropped (a gateway that only lost
+        the connection for a moment answers with the Welcome it gave)."""
+        if self._connection.poll(0):
+            while self._connection.poll(0):
+                self._connection.recv_multipart()
+            if self.welcomed:
+                log.info("the connection to the gateway dropped; saying Hello again")
+            self.welcomed = False
         now = time.monotonic()
         if not self.welcomed and now >= self._next_hello:
             self.send(self.hello)
@@ -318,5 +329,7 @@ class Worker(EngineRunner):
         if self.handed_back:
             log.info("handing %d unfinished requests back to the gateway", len(self.handed_back))
         self.send(Goodbye("the worker is stopping" if clean else "the worker failed", self.handed_back))
+        self.socket.disable_monitor()
+        self._connection.close()
         self.socket.close()
         self._context.term()

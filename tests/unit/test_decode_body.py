@@ -1,6 +1,7 @@
 import pytest
 
-from gateway.errors import APIError, decode_body, error_payload
+from gateway.errors import APIError, convert, decode_body, error_payload
+from gateway.openai_responses_schema import InputImage
 from gateway.openai_schema import ChatCompletionRequest
 
 
@@ -62,3 +63,11 @@ def test_values_the_spec_allows_in_the_forms_clients_write_them():
 def test_values_that_do_not_convert_exactly_are_still_refused(field):
     error = error_of(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], ' + field.encode() + b"}")
     assert error.status == 400 and error.param == field.split('"')[1]
+
+
+@pytest.mark.parametrize("detail", ["auto", "low", "high", "original"])
+def test_every_image_detail_of_the_responses_api_is_taken(detail):
+    """The SDK requires `detail` on an input image; "original" is one of the spec's values."""
+    image = convert({"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": detail}, InputImage,
+                    "input[0].content[0]")
+    assert image.detail == detail
