@@ -59,8 +59,9 @@ class EmbeddingsAPI:
         try:
             token_lists = [await self._tokens(worker, i) for i in inputs]
             release = serving.admission.admit(request.scope["state"]["client_id"])
-            # What its forward pass holds is the KV state of its tokens, as a prefill's.
-            await lease.reserve(sum(worker.hello.kv_footprint.bytes_for(len(t)) for t in token_lists))
+            # What a forward pass holds is the KV state of its tokens, as a prefill's; the worker
+            # runs the inputs one after another, so the largest is what the request holds at once.
+            await lease.reserve(max(worker.hello.kv_footprint.bytes_for(len(t)) for t in token_lists))
             result = await serving.link.embed(f"embd-{uuid.uuid4().hex}", token_lists, worker)
         except Unavailable as e:
             raise unavailable(str(e), e.code) from None

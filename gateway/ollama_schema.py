@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from gateway.openai_schema import Seed, StopStrings
+from gateway.openai_schema import MAX_EMBEDDING_INPUTS, Seed, StopStrings
 
 MAX_INT = 2**31 - 1
 KeepAlive = str | float | None
@@ -81,7 +81,7 @@ class GenerateRequest(msgspec.Struct):
 
 class EmbedRequest(msgspec.Struct):
     model: Annotated[str, Meta(min_length=1)]
-    input: str | list[str]
+    input: str | Annotated[list[str], Meta(max_length=MAX_EMBEDDING_INPUTS)]
     truncate: bool = True
     dimensions: Annotated[int, Meta(ge=1)] | None = None
     keep_alive: KeepAlive = None

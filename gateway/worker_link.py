@@ -256,7 +256,9 @@ class WorkerLink:
         answer: asyncio.Future[Embeddings] = asyncio.get_running_loop().create_future()
         self._embeds[request_id] = (worker.identity, answer)
         try:
-            self._send(worker.identity, Embed(request_id, inputs))
+            if not self.transport.send(worker.identity, Embed(request_id, inputs)):
+                asyncio.get_running_loop().call_soon(self._on_disconnect, worker.identity)
+                raise WorkerUnavailable("the worker's connection is gone")
             return await answer
         finally:
             self._embeds.pop(request_id, None)
@@ -535,6 +537,8 @@ class WorkerLink:
             self._lose_worker(w, "its connection closed", handed_back=set())
         else:
             w.vitals.disconnected = True
+            # An Embed or its answer may be gone with the connection; embedding again is the client's to do.
+            self._fail_embeds(w, "the connection to the worker broke while it embedded")
             self._assess(w)
 
     def worker_process_exited(self, pid: int, status: int | None) -> None:
@@ -560,9 +564,7 @@ class WorkerLink:
         self._event(w.hello.pid, w.hello.model, "lost", why)
         self._update_ready()
         self.stats.workers_lost += 1
-        for identity, answer in self._embeds.values():
-            if identity == w.identity and not answer.done():
-                answer.set_exception(WorkerUnavailable(f"the worker was lost while embedding: {why}"))
+        self._fail_embeds(w, f"the worker was lost while embedding: {why}")
         deadline = time.monotonic() + self.worker_wait_s
         for state in list(self.outputs):
             if state.worker != w.identity:
@@ -576,6 +578,11 @@ class WorkerLink:
             else:
                 self._resume_by[request_id] = deadline
         self._resume_waiting()
+
+    def _fail_embeds(self, w: WorkerState, why: str) -> None:
+        for identity, answer in self._embeds.values():
+            if identity == w.identity and not answer.done():
+                answer.set_exception(WorkerUnavailable(why))
 
     def _event(self, pid: int, model: str, event: str, detail: str) -> None:
         self.events.append(WorkerEvent(time.time(), pid, model, event, detail))

@@ -283,6 +283,16 @@ def test_a_budget_too_small_for_a_requests_reservation_is_a_503_before_the_200(s
     assert small_pool.health()["pool"]["models"]["alpha"]["memory"]["kv_reserved"] == 0
 
 
+def test_embeddings_reserve_their_largest_input_not_their_sum(small_pool, models):
+    """The worker embeds the inputs one after another: three of 400 tokens fit a
+    budget of 1,000 tokens of KV state; one of 1,200 does not."""
+    wait_for(lambda: "choices" in complete(small_pool, "alpha"), 60, "alpha to load")
+    three = small_pool.http.post("/v1/embeddings", json={"model": "alpha", "input": [[5] * 400] * 3})
+    assert three.status_code == 200 and len(three.json()["data"]) == 3
+    one = small_pool.http.post("/v1/embeddings", json={"model": "alpha", "input": [[5] * 1200]})
+    assert one.status_code == 503 and one.json()["error"]["code"] == "memory_budget_exceeded"
+
+
 def test_a_pinned_model_loads_at_start_and_stays(models, tmp_path):
     args = ["serve", "--heartbeat-s", "0.1", "--model", f"alpha={models['alpha']}", "--model",
             f"beta={models['beta']}", "--pin", "alpha", "--max-loaded-models", "1", "--keep-alive", "0",

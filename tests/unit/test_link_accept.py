@@ -2,7 +2,7 @@
 together share one tokenizer load; a worker gone before its answer is not
 taken on; a retried Hello with a Goodbye behind it leaves no worker; a Hello
 the gateway cannot serve is refused with the reason; a request whose send
-fails waits for the next worker."""
+fails waits for the next worker; an embedding whose send fails is refused at once."""
 
 import asyncio
 import time
@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 import zmq
 
 from gateway.output_processor import RequestState
-from gateway.worker_link import WorkerLink
+from gateway.worker_link import WorkerLink, WorkerUnavailable
 from protocol import (
     PROTOCOL_VERSION,
     AddRequest,
@@ -154,5 +154,26 @@ def test_a_request_whose_send_fails_waits_for_the_next_worker(tiny_model, tmp_pa
             request = await answer(second)
             assert isinstance(request, AddRequest) and request.request_id == "r1"
             assert link.requests_waiting == 0 and state.worker == b"worker-2"
+
+    asyncio.run(run())
+
+
+def test_an_embedding_whose_send_fails_is_refused_at_once(tiny_model, tmp_path):
+    """Its Embed never reached the worker: waiting for the answer would be for ever."""
+    files = tokenizer_files(tiny_model)
+
+    async def run() -> None:
+        async with link_and_workers(f"ipc://{tmp_path}/link/w.sock", 1) as (link, (socket,)):
+            socket.send(hello(files, 1))
+            assert isinstance(await answer(socket), Welcome)
+            worker = link.workers[b"worker-1"]
+            socket.close(linger=0)
+            time.sleep(0.2)  # ZeroMQ has dropped the connection; the loop has not heard yet
+            async with asyncio.timeout(5):
+                try:
+                    await link.embed("e1", [[1, 2, 3]], worker)
+                except WorkerUnavailable:
+                    return
+            raise AssertionError("the embedding was answered")
 
     asyncio.run(run())
