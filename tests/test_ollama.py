@@ -144,6 +144,10 @@ def test_a_pinned_model_outlasts_a_clients_unload(tiny_model, tmp_path):
     ("/api/generate", {"model": MODEL_NAME, "prompt": "x", "context": [1, 2]}, 400, "context"),
     ("/api/generate", {"model": MODEL_NAME, "prompt": "x", "options": {"num_predict": 0}}, 400, "num_predict"),
     ("/api/embed", {"model": MODEL_NAME, "input": [""]}, 400, "empty"),
+    ("/api/embed", {"model": MODEL_NAME, "input": ["x"] * 2049}, 400, "input"),
+    ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"seed": 2**64}}, 400, "seed"),
+    ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"top_k": 2**64}}, 400, "top_k"),
+    ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"stop": ["x"] * 17}}, 400, "stop"),
     ("/api/show", {"model": "nope"}, 404, "does not exist"),
 ])
 def test_bad_input_gets_ollamas_error_shape(server, path, body, status, words):

@@ -83,6 +83,7 @@ def test_a_response_not_stored_cannot_be_continued(client):
 @pytest.mark.parametrize("body, param", [
     ({"model": MODEL_NAME, "input": "x", "frobnicate": 1}, "frobnicate"),
     ({"model": MODEL_NAME, "input": [{"type": "web_search_call", "id": "w"}]}, "input[0].type"),
+    ({"model": MODEL_NAME, "input": [{"type": []}]}, "input[0].type"),
     ({"model": MODEL_NAME, "input": [{"role": "user", "content": "x", "colour": 1}]}, "input[0].colour"),
     ({"model": MODEL_NAME, "input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
     ({"model": MODEL_NAME, "input": "x", "tools": [{"type": "function"}]}, "tools[0]"),
