@@ -256,8 +256,7 @@ class WorkerLink:
         answer: asyncio.Future[Embeddings] = asyncio.get_running_loop().create_future()
         self._embeds[request_id] = (worker.identity, answer)
         try:
-            if not self.transport.send(worker.identity, Embed(request_id, inputs)):
-                asyncio.get_running_loop().call_soon(self._on_disconnect, worker.identity)
+            if not self._send(worker.identity, Embed(request_id, inputs)):
                 raise WorkerUnavailable("the worker's connection is gone")
             return await answer
         finally:
@@ -314,20 +313,22 @@ class WorkerLink:
         blocks = prefix_blocks(message.prompt_token_ids)
         worker = max((w for w in ready if load[w.identity] <= least + AFFINITY_SLACK),
                      key=lambda w: (w.prefixes.matched(blocks), -load[w.identity]))
-        if not self.transport.send(worker.identity, message, state.buffers):
+        if not self._send(worker.identity, message, state.buffers):
             # Its connection is gone: over tcp perhaps a blip the worker comes
             # back from. The request waits for a worker as a lost one's do.
             self._resume_by[state.request_id] = time.monotonic() + self.worker_wait_s
-            asyncio.get_running_loop().call_soon(self._on_disconnect, worker.identity)
             return None
         worker.prefixes.add(blocks)
         state.worker = worker.identity
         return worker
 
-    def _send(self, identity: bytes, message: ToWorker, buffers: Sequence[Any] = ()) -> None:
-        if not self.transport.send(identity, message, buffers):
-            # Acted on after the caller is done with its own bookkeeping.
-            asyncio.get_running_loop().call_soon(self._on_disconnect, identity)
+    def _send(self, identity: bytes, message: ToWorker, buffers: Sequence[Any] = ()) -> bool:
+        """False when the peer's connection is gone."""
+        if self.transport.send(identity, message, buffers):
+            return True
+        # Acted on after the caller is done with its own bookkeeping.
+        asyncio.get_running_loop().call_soon(self._on_disconnect, identity)
+        return False
 
     async def _watch_connections(self) -> None:
         """When a connection closes, find out whether it was the worker's by
@@ -445,7 +446,7 @@ class WorkerLink:
             log.exception("refused a worker (pid %d): its Hello cannot be served", hello.pid)
             self._send(identity, Refused(f"the gateway cannot serve this worker: {e}"))
             return
-        if not self.transport.send(identity, Welcome(hello.epoch)):
+        if not self._send(identity, Welcome(hello.epoch)):
             # Gone while its tokenizer loaded (killed, crashed): nothing to
             # replace anything with, nor to resume requests on.
             log.warning("worker pid %d left before its Hello was answered", hello.pid)

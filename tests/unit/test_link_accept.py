@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 import zmq
 
 from gateway.output_processor import RequestState
-from gateway.worker_link import WorkerLink, WorkerUnavailable
+from gateway.worker_link import WorkerLink, WorkerState, WorkerUnavailable
 from protocol import (
     PROTOCOL_VERSION,
     AddRequest,
@@ -65,6 +65,19 @@ async def answer(socket: zmq.Socket):
     return decode_to_worker(socket.recv_multipart())[0]
 
 
+async def welcomed(link: WorkerLink, socket: zmq.Socket, files: dict[str, bytes], epoch: int) -> WorkerState:
+    """The worker on `socket` (worker-`epoch`), once it has said Hello and been welcomed."""
+    socket.send(hello(files, epoch))
+    assert isinstance(await answer(socket), Welcome)
+    return link.workers[f"worker-{epoch}".encode()]
+
+
+def disconnected(socket: zmq.Socket) -> None:
+    """The worker's connection gone: ZeroMQ has dropped it, the link's loop has not heard yet."""
+    socket.close(linger=0)
+    time.sleep(0.2)
+
+
 def tokenizer_files(tiny_model) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in tiny_model.iterdir() if p.suffix == ".json"}
 
@@ -106,8 +119,7 @@ def test_a_retried_hello_with_a_goodbye_behind_it_leaves_no_worker(tiny_model, t
 
     async def run() -> None:
         async with link_and_workers(f"ipc://{tmp_path}/link/w.sock", 1) as (link, (socket,)):
-            socket.send(hello(files, 1))
-            assert isinstance(await answer(socket), Welcome)
+            await welcomed(link, socket, files, 1)
             # Its retry crossed our Welcome; then it stops. Both arrive before the link reads either.
             socket.send(hello(files, 1))
             socket.send(encode(Goodbye("stopping")))
@@ -141,16 +153,12 @@ def test_a_request_whose_send_fails_waits_for_the_next_worker(tiny_model, tmp_pa
 
     async def run() -> None:
         async with link_and_workers(f"ipc://{tmp_path}/link/w.sock", 2) as (link, (first, second)):
-            first.send(hello(files, 1))
-            assert isinstance(await answer(first), Welcome)
-            worker = link.workers[b"worker-1"]
-            first.close(linger=0)
-            time.sleep(0.2)  # ZeroMQ has dropped the connection; the loop has not heard yet
+            worker = await welcomed(link, first, files, 1)
+            disconnected(first)
             state = RequestState("r1", asyncio.Queue(), [1, 2, 3], Sampling(max_tokens=4), worker.tokenizer, [])
             link.submit(state, worker)
             assert link.requests_waiting == 1
-            second.send(hello(files, 2))
-            assert isinstance(await answer(second), Welcome)
+            await welcomed(link, second, files, 2)
             request = await answer(second)
             assert isinstance(request, AddRequest) and request.request_id == "r1"
             assert link.requests_waiting == 0 and state.worker == b"worker-2"
@@ -164,11 +172,8 @@ def test_an_embedding_whose_send_fails_is_refused_at_once(tiny_model, tmp_path):
 
     async def run() -> None:
         async with link_and_workers(f"ipc://{tmp_path}/link/w.sock", 1) as (link, (socket,)):
-            socket.send(hello(files, 1))
-            assert isinstance(await answer(socket), Welcome)
-            worker = link.workers[b"worker-1"]
-            socket.close(linger=0)
-            time.sleep(0.2)  # ZeroMQ has dropped the connection; the loop has not heard yet
+            worker = await welcomed(link, socket, files, 1)
+            disconnected(socket)
             async with asyncio.timeout(5):
                 try:
                     await link.embed("e1", [[1, 2, 3]], worker)
