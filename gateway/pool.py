@@ -9,6 +9,10 @@ Room is two limits: --max-loaded-models, and the memory ledger
 models, least recently used first; while none can go, a request for an
 unloaded model waits (within --worker-wait-s) for one to become idle.
 
+A model's worker stops without holding the pool's lock (a draining worker
+may take --drain-s): meanwhile its memory stays charged, so nothing starts
+into room it has not given back, and requests for other models go on.
+
 Every request holds a Lease on its model while it runs, so its model is not
 unloaded under it, and reserves its KV state in the ledger before anything is
 sent to a worker: a request that cannot fit is refused with a 503 and
@@ -66,10 +70,16 @@ class PooledModel:
     failure: str | None = None  # why its last load failed, until the next
     failed_at: float = 0.0
     unload_requested: bool = False  # by an admin, while requests ran: it unloads when they end
+    stopping: bool = False  # its worker is being stopped: until it has exited, its memory is not free
 
     @property
     def running(self) -> bool:
-        return self.supervisor.running
+        """Loaded or loading, and not being stopped."""
+        return self.supervisor.running and not self.stopping
+
+    @property
+    def holds_memory(self) -> bool:
+        return self.supervisor.running or self.stopping
 
     def load_error(self) -> str | None:
         """Why its last load failed, while it is not running."""
@@ -89,8 +99,7 @@ class Lease:
     async def reserve(self, nbytes: int) -> None:
         """Reserve KV memory for the request (Unavailable if it does not fit)."""
         if self.model is not None:
-            await self.pool.reserve(self.model, nbytes)
-            self.reserved += nbytes
+            await self.pool.reserve(self, nbytes)
 
     def release(self) -> None:
         if not self.released:
@@ -137,6 +146,7 @@ class ModelPool:
         self._reaper: asyncio.Task | None = None
         self._starting: set[str] = set()  # loaded at start, not yet ready
         self._unloading: set[asyncio.Task] = set()
+        self._closing = False  # the server is stopping: nothing loads any more
         self.on_fatal: Callable[[str], None] | None = None  # a model that must load at start cannot
 
     def find(self, name: str) -> PooledModel | None:
@@ -164,11 +174,15 @@ class ModelPool:
         self._reaper = asyncio.create_task(self._reap(), name="mlxd-pool-reaper")
 
     async def stop(self) -> None:
+        self._closing = True
         if self._reaper is not None:
             self._reaper.cancel()
-        await asyncio.gather(*(m.supervisor.stop() for m in self.models.values()))
+        await asyncio.gather(*self._unloading, *(m.supervisor.stop() for m in self.models.values()),
+                             return_exceptions=True)
 
     def stop_restarting(self) -> None:
+        """The server drains: running workers stay for the open requests, none starts."""
+        self._closing = True
         for m in self.models.values():
             m.supervisor.stop_restarting()
 
@@ -194,21 +208,30 @@ class ModelPool:
             raise
         return lease
 
-    async def reserve(self, m: PooledModel, nbytes: int) -> None:
-        """Charge a request's KV state to its model, unloading idle models to
-        make room; Unavailable if the budget cannot hold it now."""
-        async with self._lock:
-            victims = self._room_for(m, m.charge.here(m.charge.total + nbytes), idle_only=True)
-            if victims is None:
-                never = m.charge.here(nbytes + m.charge.fixed) > self.budget
-                raise Unavailable(
-                    f"the request's KV reservation ({format_size(nbytes)}: its prompt plus max_tokens) does not fit "
-                    f"in the memory budget ({format_size(self.budget)}, {format_size(self.used)} in use)"
-                    + ("; lower max_tokens" if never else "; retry when running requests have finished"),
-                    "memory_budget_exceeded")
-            for victim in victims:
-                await self._stop(victim, f"making room for a request to {m.name}")
-            m.charge.kv_reserved += nbytes
+    async def reserve(self, lease: Lease, nbytes: int) -> None:
+        """Charge a request's KV state to its model (and its lease, which gives
+        it back), unloading idle models to make room (returning once they have
+        exited); Unavailable if the budget cannot hold it now."""
+        m = lease.model
+        assert m is not None
+        while True:
+            async with self._lock:
+                victims = self._room_for(m, m.charge.here(m.charge.total + nbytes), idle_only=True)
+                if victims is not None:
+                    m.charge.kv_reserved += nbytes
+                    lease.reserved += nbytes
+                    stops = [self._unload(v, f"making room for a request to {m.name}") for v in victims]
+                    break
+                if not any(o.stopping for o in self.models.values()):
+                    never = m.charge.here(nbytes + m.charge.fixed) > self.budget
+                    raise Unavailable(
+                        f"the request's KV reservation ({format_size(nbytes)}: its prompt plus max_tokens) does not "
+                        f"fit in the memory budget ({format_size(self.budget)}, {format_size(self.used)} in use)"
+                        + ("; lower max_tokens" if never else "; retry when running requests have finished"),
+                        "memory_budget_exceeded")
+                changed = self._changed  # a model that is stopping gives its memory back: look again then
+            await changed.wait()
+        await asyncio.gather(*stops)
 
     def release(self, lease: Lease) -> None:
         m = lease.model
@@ -234,12 +257,15 @@ class ModelPool:
         """Unload a model now if it is idle (True); else once its running requests end (False)."""
         m = self.find(name)
         assert m is not None
-        if m.users == 0:
-            async with self._lock:
-                await self._stop(m, "unloaded by an admin request")
-            return True
-        m.unload_requested = True
-        return False
+        async with self._lock:
+            if m.users > 0:
+                m.unload_requested = True
+                return False
+            if m.running:
+                self._unload(m, "unloaded by an admin request")
+        while m.stopping:
+            await self._changed.wait()
+        return True
 
     def pin(self, name: str, pinned: bool) -> None:
         """Keep the model loaded however long it is idle (it still loads on
@@ -260,7 +286,8 @@ class ModelPool:
     @property
     def ready(self) -> bool:
         """The models loaded at start have been ready once, and the pinned ones are loaded."""
-        self._starting = {name for name in self._starting if self.status(name) != "loaded"}
+        # One unloaded before it was ready (room for another model) is no longer awaited.
+        self._starting = {name for name in self._starting if self.status(name) == "loading"}
         return not self._starting and all(self.status(m.name) == "loaded" for m in self.models.values() if m.pinned)
 
     def status(self, name: str) -> str:
@@ -271,9 +298,10 @@ class ModelPool:
         return "loading" if m is not None and m.running else "unloaded"
 
     def charge(self, name: str) -> Charge | None:
-        """A running model's entry in the ledger (None for one that is not the pool's, or not running)."""
+        """The ledger's entry of a model that holds memory (None for one that is
+        not the pool's, or neither running nor stopping)."""
         m = self.find(name)
-        if m is None or not m.running:
+        if m is None or not m.holds_memory:
             return None
         self._measure(m)
         return m.charge
@@ -314,36 +342,44 @@ class ModelPool:
         return any(w.ready and name in w.names and w.hello.pid not in local for w in self.link.workers.values())
 
     def _used_without(self, m: PooledModel) -> int:
-        return sum(o.charge.total_here for o in self.models.values() if o.running and o is not m)
+        return sum(o.charge.total_here for o in self.models.values() if o.holds_memory and o is not m)
 
     async def _load(self, m: PooledModel, deadline: float) -> None:
         while True:
+            stops: list[asyncio.Task] = []
             async with self._lock:
+                if self._closing:
+                    raise Unavailable("the server is shutting down", "shutting_down")
                 if m.running:
                     return
                 victims = self._room_for(m, m.charge.fixed_here, idle_only=True)
-                if victims is not None:
-                    for victim in victims:
-                        await self._stop(victim, f"making room for {m.name}")
+                if victims == [] and not m.stopping:
                     await self._start(m)
                     return
-                if self._room_for(m, m.charge.fixed_here, idle_only=False) is None:
+                if victims is None and self._room_for(m, m.charge.fixed_here, idle_only=False) is None:
                     raise Unavailable(f"the model {m.name} cannot load: {self._why_no_room(m)}")
+                # Room is made (or its own worker still stops): start once the workers in the way have exited.
+                stops = [self._unload(v, f"making room for {m.name}") for v in victims or ()]
                 changed = self._changed
+            if stops:
+                await asyncio.gather(*stops)
+                continue
             try:
                 await asyncio.wait_for(changed.wait(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 raise Unavailable(f"no room to load {m.name} within the wait: {self._why_no_room(m)}; "
-                             "the models in the way are busy") from None
+                                  "the models in the way are busy") from None
 
     def _room_for(self, m: PooledModel, need: int, idle_only: bool) -> list[PooledModel] | None:
         """The models to unload, least recently used first, so that `m`,
         charged `need` bytes, runs beside the rest; None if unloading every
-        model that may go (idle ones only, or busy ones too) is not enough."""
-        others = [o for o in self.models.values() if o.running and o is not m]
+        model that may go (idle ones only, or busy ones too) is not enough.
+        Models still stopping count as loaded: as busy ones, about to go."""
+        others = [o for o in self.models.values() if o.holds_memory and o is not m]
         for o in others:
             self._measure(o)
-        candidates = sorted((o for o in others if not o.pinned and (o.users == 0 or not idle_only)),
+        candidates = sorted((o for o in others if o.stopping and not idle_only
+                             or o.running and not o.pinned and (o.users == 0 or not idle_only)),
                             key=lambda o: o.last_used)
         victims: list[PooledModel] = []
         loaded, used = len(others) + 1, sum(o.charge.total_here for o in others)
@@ -360,7 +396,7 @@ class ModelPool:
         if m.charge.fixed_here > self.budget:
             return (f"it needs {format_size(m.charge.fixed_here)} (weights and prefix cache), more than the "
                     f"memory budget of {format_size(self.budget)}")
-        running = [o.name for o in self.models.values() if o.running and o is not m]
+        running = [o.name for o in self.models.values() if o.holds_memory and o is not m]
         return (f"{len(running)} of at most {self.max_loaded} models loaded ({', '.join(running) or 'none'}), "
                 f"{format_size(self._used_without(m))} of the {format_size(self.budget)} budget in use; "
                 f"it needs {format_size(m.charge.fixed_here)}")
@@ -385,17 +421,32 @@ class ModelPool:
         self.link.notify()  # its waiting requests learn it now
         self._notify()
 
-    async def _stop(self, m: PooledModel, why: str) -> None:
-        if not m.running:
-            return
+    def _unload(self, m: PooledModel, why: str) -> asyncio.Task:
+        """Begin stopping a model's worker (under the lock); the task ends once
+        it has exited. Awaited without the lock: a worker draining for
+        --drain-s must not hold up every other model's requests."""
         log.info("unloading %s: %s", m.name, why)
-        await m.supervisor.stop()
-        self._notify()
+        m.stopping = True
+
+        async def stop() -> None:
+            try:
+                await m.supervisor.stop()
+            finally:
+                m.stopping = False
+                self._notify()
+
+        task = asyncio.get_running_loop().create_task(stop())
+        self._unloading.add(task)  # held until done: the loop keeps only a weak reference
+        task.add_done_callback(self._unloading.discard)
+        return task
 
     async def _unload_if_idle(self, m: PooledModel) -> None:
         async with self._lock:
-            if m.users == 0 and m.running and (m.unload_requested or not m.pinned and time.monotonic() >= m.idle_until):
-                await self._stop(m, "idle past its keep-alive")
+            if not (m.users == 0 and m.running
+                    and (m.unload_requested or not m.pinned and time.monotonic() >= m.idle_until)):
+                return
+            stop = self._unload(m, "idle past its keep-alive")
+        await stop
 
     async def _reap(self) -> None:
         while True:

@@ -70,6 +70,7 @@ class WorkerSupervisor:
     async def start(self) -> None:
         self.link.load_failures.pop(self.model, None)  # an earlier start's
         self._stopping = False
+        self.crash_loop, self._exits = False, []  # a new start (the pool loads the model again) starts afresh
         self._task = asyncio.create_task(self._run(), name="mlxd-supervisor")
 
     def status(self) -> dict:

@@ -317,3 +317,64 @@ def test_a_pinned_model_loads_at_start_and_stays(models, tmp_path):
         assert complete(srv, "beta")["choices"][0]["text"] == ref.greedy(ref.text_prompt(PROMPT), 8).text
     finally:
         srv.stop()
+
+
+def test_a_worker_slow_to_stop_holds_up_no_other_model_and_keeps_its_room(models, tmp_path):
+    """--drain-s 1: a worker deaf to SIGTERM (stopped here) is killed 6 s after its unload began."""
+    args = ["serve", "--heartbeat-s", "0.1", "--worker-timeout-s", "60", "--drain-s", "1", "--worker-wait-s", "60",
+            "--max-loaded-models", "2", "--keep-alive", "10m", "--pin", "alpha"]
+    for name, path in models.items():
+        args += ["--model", f"{name}={path}"]
+    srv = Server(args, tmp_path / "serve.log", env=LAZY)
+    done: dict[str, float] = {}
+    answers: dict[str, object] = {}
+
+    def in_background(name: str, call) -> threading.Thread:
+        def run() -> None:
+            answers[name] = call()
+            done[name] = time.monotonic()
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    try:
+        wait_for(lambda: srv.answers() and srv.http.get("/ready").status_code == 200, 60, "alpha, pinned")
+        assert complete(srv, "beta")["choices"]
+        beta = next(w["pid"] for w in srv.health()["workers"] if w["model"] == "beta")
+        os.kill(beta, signal.SIGSTOP)
+        unload = in_background("unload", lambda: srv.http.post("/admin/models/beta/unload", timeout=60))
+        time.sleep(0.3)
+        started = time.monotonic()
+        ref = Reference(models["alpha"])
+        assert complete(srv, "alpha")["choices"][0]["text"] == ref.greedy(ref.text_prompt(PROMPT), 8).text
+        assert time.monotonic() - started < 3  # not held until beta's worker is killed
+        # gamma needs beta's place (alpha is pinned): it starts only once beta's worker is gone.
+        gamma = in_background("gamma", lambda: complete(srv, "gamma"))
+        watcher = Watcher(srv)
+        watcher.start()
+        unload.join(30)
+        gamma.join(60)
+        assert watcher.stop() <= 2
+        assert answers["unload"].status_code == 200 and done["unload"] < done["gamma"]
+        ref = Reference(models["gamma"])
+        assert answers["gamma"]["choices"][0]["text"] == ref.greedy(ref.text_prompt(PROMPT), 8).text
+        assert not os.path.exists(f"/proc/{beta}")
+        assert statuses(srv) == {"alpha": "loaded", "beta": "unloaded", "gamma": "loaded"}
+        assert "ignored SIGTERM" in srv.log_path.read_text()
+    finally:
+        srv.stop()
+
+
+def test_ready_once_a_preloaded_model_is_unloaded_before_it_was_ready(models, tmp_path):
+    args = ["serve", "--heartbeat-s", "0.1", "--preload", "--max-loaded-models", "1", "--worker-wait-s", "60",
+            "--model", f"alpha={models['alpha']}", "--model", f"beta={models['beta']}"]
+    srv = Server(args, tmp_path / "serve.log")
+    try:
+        wait_for(srv.answers, 60, "the gateway")
+        assert statuses(srv)["alpha"] == "loading"  # still loading when beta's request makes room
+        ref = Reference(models["beta"])
+        assert complete(srv, "beta")["choices"][0]["text"] == ref.greedy(ref.text_prompt(PROMPT), 8).text
+        assert statuses(srv) == {"alpha": "unloaded", "beta": "loaded"}
+        wait_for(lambda: srv.http.get("/ready").status_code == 200, 10, "/ready")
+    finally:
+        srv.stop()
