@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import MODEL_NAME, running
 from tests.reference import Reference
+from tests.test_restarts import StreamReader
 
 TEXTS = ["Once upon a time", "the cat sat on the mat", "x"]
 
@@ -94,3 +95,25 @@ def test_sentence_transformers_pooling_is_read_from_the_model(tiny_model, tmp_pa
     reference = Reference(model)
     np.testing.assert_allclose(body["data"][0]["embedding"],
                                expected(reference, reference.text_prompt(TEXTS[0]), "mean"), rtol=0, atol=1e-6)
+
+
+def test_a_large_embeddings_request_goes_in_pieces_between_a_streams_steps(tiny_model, reference, tmp_path):
+    """--prefill-chunk 64: a piece is one input of ~60 tokens; the stream gets tokens while they are embedded."""
+    with running(["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME, "--prefill-chunk", "64"],
+                 tmp_path / "serve.log") as srv:
+        stream = StreamReader(srv.url, max_tokens=1500)
+        stream.start()
+        stream.wait_for_pieces(5, timeout=60)
+        ids = [(7 * i) % 380 + 3 for i in range(60)]
+        inputs = [ids[i % 7:] for i in range(120)]
+        before = len(stream.pieces)
+        response = srv.http.post("/v1/embeddings", json={"model": MODEL_NAME, "input": inputs}, timeout=120)
+        during = len(stream.pieces) - before
+        assert response.status_code == 200, response.text
+        data = response.json()["data"]
+        assert len(data) == len(inputs)
+        for i in (0, 1, 6, 119):
+            np.testing.assert_allclose(data[i]["embedding"], expected(reference, inputs[i]), rtol=0, atol=1e-6)
+        assert stream.is_alive() and during >= 30, during  # run whole, the embedding left the stream no step
+        stream.join(120)
+        assert stream.failure is None and stream.errors == [] and stream.done

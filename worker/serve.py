@@ -2,7 +2,11 @@
 
 Each turn: stop if a drain is over, greet the gateway until welcomed, take
 every waiting message (without blocking while there is work) and apply aborts
-then adds, run one engine step, and send one StepOutput for the whole batch.
+then adds, embed a piece of the oldest embeddings request (inputs worth one
+prefill chunk), run one engine step, and send one StepOutput for the whole
+batch. An embeddings request of thousands of inputs so goes in pieces between
+steps: the running streams keep their pace, and the step counter that tells
+the gateway the worker is not hung keeps moving.
 Messages that arrive during a step are read at once, so that nothing is sent
 for a request aborted meanwhile, and applied at the start of the next turn.
 
@@ -21,9 +25,12 @@ import logging
 import os
 import random
 import time
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 import zmq
 
 from protocol import (
@@ -63,6 +70,25 @@ class GatewayRefused(Exception):
     pass
 
 
+@dataclass
+class EmbeddingJob:
+    """An embeddings request being embedded a piece a turn."""
+
+    request: Embed
+    vectors: list[np.ndarray] = field(default_factory=list)  # each piece's rows, in order
+    embedded: int = 0  # inputs done
+
+    def next_piece(self, tokens: int) -> Embed:
+        """The next inputs, as many as fit in `tokens` (one at least)."""
+        inputs = self.request.inputs
+        end = self.embedded + 1
+        total = len(inputs[self.embedded])
+        while end < len(inputs) and total + len(inputs[end]) <= tokens:
+            total += len(inputs[end])
+            end += 1
+        return Embed(self.request.request_id, inputs[self.embedded:end])
+
+
 class EngineRunner:
     """What every rank does with a turn's engine input. Only rank 0 (a Worker)
     has a gateway to send to."""
@@ -88,21 +114,20 @@ class EngineRunner:
                 self.engine.add(add, tensors)
             except InvalidRequest as e:
                 self.send(Error(add.request_id, str(e)))
-        for request in step.embeds:
-            self.embed(request)
+        for piece in step.embeds:
+            self.embedded(piece, self._embed(piece))
 
-    def embed(self, request: Embed) -> None:
-        """Between steps: the running requests wait for it, as for a prefill."""
-        if self.embedder is None:
-            self.send(Error(request.request_id, "this model cannot embed (a vision model)"))
-            return
+    def _embed(self, piece: Embed) -> np.ndarray | Exception:
+        """Between steps: the running requests wait for it, as for a prefill chunk."""
+        assert self.embedder is not None  # rank 0 refuses embeddings a model cannot make
         try:
-            vectors = self.embedder(request.inputs)
+            return self.embedder(piece.inputs)
         except Exception as e:  # a failed embedding must not take the running requests' worker down
             log.exception("embedding failed")
-            self.send(Error(request.request_id, f"embedding failed: {e}"))
-            return
-        self.send(Embeddings(request.request_id, int(vectors.shape[1]), vectors.astype("<f4").tobytes()))
+            return e
+
+    def embedded(self, piece: Embed, result: np.ndarray | Exception) -> None:
+        """A rank other than 0 has no one to tell: rank 0 answers the request."""
 
 
 class Follower(EngineRunner):
@@ -142,6 +167,7 @@ class Worker(EngineRunner):
         self._announced_drain = False
         self._next_hello = 0.0
         self._late: list = []  # messages read during the last step, for the next turn
+        self._embedding: deque[EmbeddingJob] = deque()  # in the order they came
         self.memory = memory_stats()  # read by the main thread after each step, sent by the heartbeat's
         self._context = zmq.Context()
         self.socket = connect(self._context, settings, f"worker-{hello.epoch}")
@@ -183,6 +209,7 @@ class Worker(EngineRunner):
         aborted = {r for m, _ in messages if isinstance(m, Abort) for r in m.request_ids}
         if aborted:
             step.aborts.append(Abort(sorted(aborted)))
+            self._embedding = deque(job for job in self._embedding if job.request.request_id not in aborted)
         for message, tensors in messages:
             match message:
                 case AddRequest(request_id=request_id) if request_id in aborted:
@@ -192,16 +219,33 @@ class Worker(EngineRunner):
                 case AddRequest():
                     step.adds.append(self._seeded(message))
                     buffers.append(tensors)
-                case Embed():
-                    step.embeds.append(message)
+                case Embed(request_id=request_id) if self.embedder is None:
+                    self.send(Error(request_id, "this model cannot embed (a vision model)"))
+                case Embed(request_id=request_id) if request_id not in aborted:
+                    self._embedding.append(EmbeddingJob(message))
                 case Welcome(epoch=epoch) if epoch == self.hello.epoch and not self.welcomed:
                     self.welcomed = True  # a Welcome may come once per Hello sent
                     log.info("welcomed by the gateway")
                 case Refused(reason=reason):
                     raise GatewayRefused(reason)
+        if self._embedding:
+            step.embeds.append(self._embedding[0].next_piece(self.settings.prefill_chunk))
         if self.channel is not None:
             self.channel.share(step)
         self.apply(step, buffers)
+
+    def embedded(self, piece: Embed, result: np.ndarray | Exception) -> None:
+        job = self._embedding[0]  # the piece is the oldest job's, taken this turn
+        if isinstance(result, Exception):
+            self._embedding.popleft()
+            self.send(Error(piece.request_id, f"embedding failed: {result}"))
+            return
+        job.vectors.append(result)
+        job.embedded += len(piece.inputs)
+        if job.embedded == len(job.request.inputs):
+            self._embedding.popleft()
+            vectors = np.concatenate(job.vectors)
+            self.send(Embeddings(piece.request_id, int(vectors.shape[1]), vectors.astype("<f4").tobytes()))
 
     def _seeded(self, request: AddRequest) -> AddRequest:
         """In a group, a sampled request without a seed gets one of rank 0's
@@ -285,7 +329,7 @@ class Worker(EngineRunner):
 
     def _poll_ms(self) -> int:
         """How long this turn waits for the gateway: not at all while there is work."""
-        if self.engine.has_work or self._late:
+        if self.engine.has_work or self._late or self._embedding:
             return 0
         return round(IDLE_SLOT_S * 1000) if self.channel is not None else IDLE_POLL_MS
 
@@ -299,7 +343,7 @@ class Worker(EngineRunner):
         if not self._announced_drain:
             self.send(Draining("the worker is stopping"))
             self._announced_drain = True
-        return self.engine.has_work and time.monotonic() < self.drain_deadline
+        return (self.engine.has_work or bool(self._embedding)) and time.monotonic() < self.drain_deadline
 
     def _greet(self) -> None:
         """Until welcomed, (re)send the Hello: the gateway may not be there yet,
