@@ -70,7 +70,12 @@ class PooledModel:
     failure: str | None = None  # why its last load failed, until the next
     failed_at: float = 0.0
     unload_requested: bool = False  # by an admin, while requests ran: it unloads when they end
-    stopping: bool = False  # its worker is being stopped: until it has exited, its memory is not free
+    # While its worker is being stopped: ends once it has exited (until then its memory is not free).
+    stop_task: asyncio.Task | None = None
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_task is not None
 
     @property
     def running(self) -> bool:
@@ -79,7 +84,8 @@ class PooledModel:
 
     @property
     def holds_memory(self) -> bool:
-        return self.supervisor.running or self.stopping
+        """Its worker runs (serving, loading, draining with the server) or is being stopped."""
+        return self.supervisor.alive or self.stopping
 
     def load_error(self) -> str | None:
         """Why its last load failed, while it is not running."""
@@ -175,14 +181,17 @@ class ModelPool:
 
     async def stop(self) -> None:
         self._closing = True
+        self._notify()
         if self._reaper is not None:
             self._reaper.cancel()
-        await asyncio.gather(*self._unloading, *(m.supervisor.stop() for m in self.models.values()),
+        stopping = [m.stop_task for m in self.models.values() if m.stop_task is not None]
+        await asyncio.gather(*self._unloading, *stopping, *(m.supervisor.stop() for m in self.models.values()),
                              return_exceptions=True)
 
     def stop_restarting(self) -> None:
         """The server drains: running workers stay for the open requests, none starts."""
         self._closing = True
+        self._notify()  # requests waiting for room hear it now
         for m in self.models.values():
             m.supervisor.stop_restarting()
 
@@ -214,24 +223,20 @@ class ModelPool:
         exited); Unavailable if the budget cannot hold it now."""
         m = lease.model
         assert m is not None
-        while True:
-            async with self._lock:
-                victims = self._room_for(m, m.charge.here(m.charge.total + nbytes), idle_only=True)
-                if victims is not None:
-                    m.charge.kv_reserved += nbytes
-                    lease.reserved += nbytes
-                    stops = [self._unload(v, f"making room for a request to {m.name}") for v in victims]
-                    break
-                if not any(o.stopping for o in self.models.values()):
-                    never = m.charge.here(nbytes + m.charge.fixed) > self.budget
-                    raise Unavailable(
-                        f"the request's KV reservation ({format_size(nbytes)}: its prompt plus max_tokens) does not "
-                        f"fit in the memory budget ({format_size(self.budget)}, {format_size(self.used)} in use)"
-                        + ("; lower max_tokens" if never else "; retry when running requests have finished"),
-                        "memory_budget_exceeded")
-                changed = self._changed  # a model that is stopping gives its memory back: look again then
-            await changed.wait()
-        await asyncio.gather(*stops)
+        async with self._lock:
+            victims = self._room_for(m, m.charge.here(m.charge.total + nbytes), idle_only=True)
+            if victims is None:
+                never = m.charge.here(nbytes + m.charge.fixed) > self.budget
+                raise Unavailable(
+                    f"the request's KV reservation ({format_size(nbytes)}: its prompt plus max_tokens) does not fit "
+                    f"in the memory budget ({format_size(self.budget)}, {format_size(self.used)} in use)"
+                    + ("; lower max_tokens" if never else "; retry when running requests have finished"),
+                    "memory_budget_exceeded")
+            m.charge.kv_reserved += nbytes
+            lease.reserved += nbytes
+            stops = self._make_room(victims, f"making room for a request to {m.name}")
+        if stops:
+            await asyncio.wait(stops)  # not cancelled with this request: other requests may count on them
 
     def release(self, lease: Lease) -> None:
         m = lease.model
@@ -261,10 +266,9 @@ class ModelPool:
             if m.users > 0:
                 m.unload_requested = True
                 return False
-            if m.running:
-                self._unload(m, "unloaded by an admin request")
-        while m.stopping:
-            await self._changed.wait()
+            stops = self._make_room([m] if m.holds_memory else [], "unloaded by an admin request")
+        if stops:
+            await asyncio.wait(stops)
         return True
 
     def pin(self, name: str, pinned: bool) -> None:
@@ -346,41 +350,43 @@ class ModelPool:
 
     async def _load(self, m: PooledModel, deadline: float) -> None:
         while True:
-            stops: list[asyncio.Task] = []
             async with self._lock:
                 if self._closing:
                     raise Unavailable("the server is shutting down", "shutting_down")
                 if m.running:
                     return
                 victims = self._room_for(m, m.charge.fixed_here, idle_only=True)
-                if victims == [] and not m.stopping:
-                    await self._start(m)
-                    return
                 if victims is None and self._room_for(m, m.charge.fixed_here, idle_only=False) is None:
                     raise Unavailable(f"the model {m.name} cannot load: {self._why_no_room(m)}")
-                # Room is made (or its own worker still stops): start once the workers in the way have exited.
-                stops = [self._unload(v, f"making room for {m.name}") for v in victims or ()]
+                stops = self._make_room(victims or [], f"making room for {m.name}")
+                if m.stop_task is not None:
+                    stops.append(m.stop_task)  # its own worker exits before another starts
+                if victims is not None and not stops:
+                    await self._start(m)
+                    return
                 changed = self._changed
-            if stops:
-                await asyncio.gather(*stops)
-                continue
-            try:
-                await asyncio.wait_for(changed.wait(), max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
+            remaining = max(0.0, deadline - time.monotonic())
+            if stops:  # then look again: another request may have started it meanwhile
+                _, late = await asyncio.wait(stops, timeout=remaining)
+                in_time = not late
+            else:
+                in_time = await _set_within(changed, remaining)
+            if not in_time:
                 raise Unavailable(f"no room to load {m.name} within the wait: {self._why_no_room(m)}; "
-                                  "the models in the way are busy") from None
+                                  "the models in the way are busy")
 
     def _room_for(self, m: PooledModel, need: int, idle_only: bool) -> list[PooledModel] | None:
-        """The models to unload, least recently used first, so that `m`,
-        charged `need` bytes, runs beside the rest; None if unloading every
-        model that may go (idle ones only, or busy ones too) is not enough.
-        Models still stopping count as loaded: as busy ones, about to go."""
+        """The models to unload, so that `m`, charged `need` bytes, runs
+        beside the rest: those already stopping first (they are going anyway:
+        concurrent requests wait for the same ones rather than each unloading
+        another), then the least recently used; None if unloading every model
+        that may go (idle ones only, or busy ones too) is not enough."""
         others = [o for o in self.models.values() if o.holds_memory and o is not m]
         for o in others:
             self._measure(o)
-        candidates = sorted((o for o in others if o.stopping and not idle_only
+        candidates = sorted((o for o in others if o.stopping
                              or o.running and not o.pinned and (o.users == 0 or not idle_only)),
-                            key=lambda o: o.last_used)
+                            key=lambda o: (not o.stopping, o.last_used))
         victims: list[PooledModel] = []
         loaded, used = len(others) + 1, sum(o.charge.total_here for o in others)
         while loaded > self.max_loaded or used + need > self.budget:
@@ -421,32 +427,31 @@ class ModelPool:
         self.link.notify()  # its waiting requests learn it now
         self._notify()
 
-    def _unload(self, m: PooledModel, why: str) -> asyncio.Task:
-        """Begin stopping a model's worker (under the lock); the task ends once
-        it has exited. Awaited without the lock: a worker draining for
-        --drain-s must not hold up every other model's requests."""
-        log.info("unloading %s: %s", m.name, why)
-        m.stopping = True
+    def _make_room(self, victims: list[PooledModel], why: str) -> list[asyncio.Task]:
+        """Begin stopping the victims' workers (under the lock); the tasks end
+        once each has exited (one already stopping: its task). They are awaited
+        without the lock, and never cancelled by a waiter: a worker draining
+        for --drain-s must not hold up every other model's requests."""
+        for m in victims:
+            if m.stop_task is None:
+                log.info("unloading %s: %s", m.name, why)
+                m.stop_task = asyncio.get_running_loop().create_task(self._stop(m))
+        return [m.stop_task for m in victims if m.stop_task is not None]
 
-        async def stop() -> None:
-            try:
-                await m.supervisor.stop()
-            finally:
-                m.stopping = False
-                self._notify()
-
-        task = asyncio.get_running_loop().create_task(stop())
-        self._unloading.add(task)  # held until done: the loop keeps only a weak reference
-        task.add_done_callback(self._unloading.discard)
-        return task
+    async def _stop(self, m: PooledModel) -> None:
+        try:
+            await m.supervisor.stop()
+        finally:
+            m.stop_task = None
+            self._notify()
 
     async def _unload_if_idle(self, m: PooledModel) -> None:
         async with self._lock:
             if not (m.users == 0 and m.running
                     and (m.unload_requested or not m.pinned and time.monotonic() >= m.idle_until)):
                 return
-            stop = self._unload(m, "idle past its keep-alive")
-        await stop
+            stops = self._make_room([m], "idle past its keep-alive")
+        await asyncio.wait(stops)
 
     async def _reap(self) -> None:
         while True:
@@ -459,3 +464,12 @@ class ModelPool:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+
+async def _set_within(event: asyncio.Event, timeout: float) -> bool:
+    """Whether the event is set within `timeout` seconds."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+    except TimeoutError:
+        return False
+    return True

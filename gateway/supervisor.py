@@ -65,7 +65,12 @@ class WorkerSupervisor:
     @property
     def running(self) -> bool:
         """Started, and neither stopped nor given up on a model that cannot load."""
-        return self._task is not None and not self._task.done() and not self._stopping
+        return self.alive and not self._stopping
+
+    @property
+    def alive(self) -> bool:
+        """Started, and not yet stopped: also while the server drains (no restarts)."""
+        return self._task is not None and not self._task.done()
 
     async def start(self) -> None:
         self.link.load_failures.pop(self.model, None)  # an earlier start's
@@ -178,6 +183,9 @@ class WorkerSupervisor:
             except TimeoutError:
                 self._kill_if_running(process)
                 await process.wait()
+            finally:
+                if process.returncode is None:  # the stop was cancelled: the worker must not outlive it
+                    _kill_group(process.pid)
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

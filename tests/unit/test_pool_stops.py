@@ -1,0 +1,108 @@
+"""The pool's stops and loads around workers that are slow to go: a draining
+server loads nothing (a request that got past the door before the drain
+began is refused, and no worker starts beside the ones finishing their
+streams); a stop that a request asked for goes on when that request is
+cancelled, its model's memory charged until the worker has exited; requests
+that make room at once unload one model, not one each.
+
+Each model's worker here is a stand-in process that ignores SIGTERM, as a
+worker stuck in a step does, set up as its supervisor would have started it."""
+
+import asyncio
+import signal
+import time
+
+import pytest
+
+from gateway.pool import Lease, ModelPool, Unavailable
+from gateway.worker_link import WorkerLink
+from protocol.worker_settings import WorkerSettings
+
+WEIGHTS = 400  # bytes charged per model; the budget holds two
+DEAF = ["sh", "-c", "trap '' TERM; sleep 60"]
+
+
+def pool_of(tmp_path, names: list[str], max_loaded: int = 3) -> ModelPool:
+    link = WorkerLink(f"ipc://{tmp_path}/gw.sock", worker_timeout_s=30, hung_worker_s=30, worker_wait_s=5)
+    settings = [WorkerSettings(model=f"{name}={tmp_path}/{name}", prefix_cache_bytes=0) for name in names]
+    pool = ModelPool(link, settings, budget=2 * WEIGHTS + 100, max_loaded=max_loaded, keep_alive_s=60,
+                     stop_timeout_s=0.5)
+    for m in pool.models.values():
+        m.charge.weights = WEIGHTS
+    return pool
+
+
+async def run_deaf_worker(pool: ModelPool, name: str) -> asyncio.subprocess.Process:
+    supervisor = pool.models[name].supervisor
+    process = await asyncio.create_subprocess_exec(*DEAF, process_group=0)
+    supervisor.process = process
+    supervisor._task = asyncio.create_task(process.wait())
+    return process
+
+
+def test_a_draining_pool_starts_no_worker(tmp_path):
+    async def run() -> None:
+        pool = pool_of(tmp_path, ["alpha"])
+        alpha = pool.models["alpha"]
+        try:
+            pool.stop_restarting()
+            with pytest.raises(Unavailable, match="shutting down"):
+                await pool.lease("alpha", None, wait_s=1)
+            assert alpha.supervisor.process is None and alpha.users == 0
+        finally:
+            await pool.stop()
+
+    asyncio.run(run())
+
+
+def test_a_stop_goes_on_when_the_request_that_asked_for_it_is_cancelled(tmp_path):
+    async def run() -> None:
+        pool = pool_of(tmp_path, ["a", "b"])
+        a_worker = await run_deaf_worker(pool, "a")
+        await run_deaf_worker(pool, "b")
+        a, b = pool.models["a"], pool.models["b"]
+        b.last_used = time.monotonic()  # a is the one to go
+        try:
+            lease = Lease(pool, b, None)
+            reserving = asyncio.create_task(lease.reserve(200))  # does not fit beside a: a is unloaded
+            await asyncio.sleep(0.1)
+            assert a.stopping and not reserving.done()
+            reserving.cancel()
+            await asyncio.gather(reserving, return_exceptions=True)
+            assert lease.reserved == 200 and b.charge.kv_reserved == 200  # given back with the lease
+            assert pool.used == 2 * WEIGHTS + 200  # a's memory counts until its worker has exited
+            assert await asyncio.wait_for(a_worker.wait(), 5) == -signal.SIGKILL  # killed past stop_timeout_s
+            await asyncio.sleep(0)
+            assert not a.holds_memory and pool.used == WEIGHTS + 200
+            lease.release()
+            assert b.charge.kv_reserved == 0
+        finally:
+            await pool.stop()
+
+    asyncio.run(run())
+
+
+def test_requests_that_make_room_together_unload_one_model(tmp_path):
+    async def run() -> None:
+        pool = pool_of(tmp_path, ["a", "b", "c"], max_loaded=2)
+        workers = {name: await run_deaf_worker(pool, name) for name in ("a", "b")}
+        a, b, c = (pool.models[name] for name in "abc")
+        b.last_used = time.monotonic()  # a is the least recently used
+        try:
+            # Two requests for c at once, and one that reserves KV for b: a's going makes room for each.
+            loads = [asyncio.create_task(pool._load(c, time.monotonic() + 0.2)) for _ in range(2)]
+            lease = Lease(pool, b, None)
+            reserving = asyncio.create_task(lease.reserve(50))
+            await asyncio.sleep(0.1)
+            assert a.stopping and not b.stopping and b.running
+            await asyncio.wait_for(workers["a"].wait(), 5)
+            assert await reserving is None
+            for load in loads:  # a took longer to go than they would wait
+                with pytest.raises(Unavailable, match="within the wait"):
+                    await load
+            assert b.running and workers["b"].returncode is None and not c.running
+            lease.release()
+        finally:
+            await pool.stop()
+
+    asyncio.run(run())
