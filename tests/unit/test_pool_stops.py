@@ -51,6 +51,7 @@ def test_a_draining_pool_starts_no_worker(tmp_path):
             assert alpha.supervisor.process is None and alpha.users == 0
         finally:
             await pool.stop()
+            await pool.link.close()
 
     asyncio.run(run())
 
@@ -78,6 +79,7 @@ def test_a_stop_goes_on_when_the_request_that_asked_for_it_is_cancelled(tmp_path
             assert b.charge.kv_reserved == 0
         finally:
             await pool.stop()
+            await pool.link.close()
 
     asyncio.run(run())
 
@@ -104,5 +106,6 @@ def test_requests_that_make_room_together_unload_one_model(tmp_path):
             lease.release()
         finally:
             await pool.stop()
+            await pool.link.close()
 
     asyncio.run(run())
