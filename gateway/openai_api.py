@@ -311,8 +311,13 @@ class ChatOutput(_Output):
 class CompletionOutput(_Output):
     prefix = "cmpl-"
 
+    def __init__(self, model: str, include_usage: bool) -> None:
+        super().__init__(model, include_usage)
+        self._text_offsets: dict[int, int] = {}  # per choice: where its next streamed token's text begins
+
     @staticmethod
     def _logprobs(tokens: list[TokenInfo], offset: int = 0) -> CompletionLogprobs:
+        """`offset`: of the first token's text in the choice's whole text."""
         offsets = []
         for t in tokens:
             offsets.append(offset)
@@ -322,8 +327,10 @@ class CompletionOutput(_Output):
         )
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, logprobs: list[TokenInfo]):
+        offset = self._text_offsets.get(index, 0)
+        self._text_offsets[index] = offset + sum(len(t.text) for t in logprobs)
         return Completion(self.id, "text_completion", self.created, self.model, [
-            CompletionChoice(index, text or "", finish_reason, self._logprobs(logprobs) if logprobs else None)
+            CompletionChoice(index, text or "", finish_reason, self._logprobs(logprobs, offset) if logprobs else None)
         ])
 
     def usage_chunk(self, usage: Usage) -> Completion:

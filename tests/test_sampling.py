@@ -157,10 +157,13 @@ def test_completion_logprobs_match_mlx_lm(client, reference, stream):
                  if c.choices and c.choices[0].logprobs]
         token_logprobs = [lp for p in parts for lp in p.token_logprobs]
         tokens = [t for p in parts for t in p.tokens]
+        offsets = [o for p in parts for o in p.text_offset]
     else:
         logprobs = client.completions.create(**kwargs).choices[0].logprobs
-        token_logprobs, tokens = logprobs.token_logprobs, logprobs.tokens
-        assert logprobs.text_offset[0] == 0 and len(logprobs.top_logprobs) == len(tokens)
+        token_logprobs, tokens, offsets = logprobs.token_logprobs, logprobs.tokens, logprobs.text_offset
+        assert len(logprobs.top_logprobs) == len(tokens)
     assert tokens == [reference.decode([t]) for t in expected.token_ids]
+    # Where each token's text begins in the choice's text, across a stream's chunks too.
+    assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
     for logprob, token, reference_logprobs in zip(token_logprobs, expected.token_ids, expected.logprobs):
         assert abs(logprob - float(reference_logprobs[token])) < 1e-3
