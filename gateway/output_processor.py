@@ -175,12 +175,17 @@ class OutputProcessor:
         return iter(list(self._requests.values()))
 
     def process(self, step: StepOutput) -> list[str]:
-        """Deliver one worker step's outputs; return the ids to abort in the worker."""
+        """Deliver one worker step's outputs; return the ids to abort in the worker:
+        those that met a stop string, failed to render, or ended here before."""
         aborts = []
         for output in step.outputs:
             state = self._requests.get(output.request_id)
             if state is None:
-                continue  # ended here already (aborted, failed): the worker had not heard yet
+                # Ended here already (aborted, failed): told again, for the worker
+                # may not have heard (an Abort sent while its tcp connection was down).
+                if output.finish_reason is None:
+                    aborts.append(output.request_id)
+                continue
             self.tokens_generated += len(output.token_ids)
             try:
                 delta = state.render(output)

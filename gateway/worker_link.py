@@ -372,10 +372,14 @@ class WorkerLink:
         if w is None:  # a lost or replaced worker's leftovers, or one not welcomed yet
             if isinstance(message, Goodbye) and identity in self._accepting:
                 self._accepting[identity].cancel()  # gone before its Hello was answered
+            elif isinstance(message, StepOutput):
+                # Requests nobody here reads (resumed elsewhere, or a gateway's before a
+                # restart): the worker stops spending steps on them.
+                self.transport.send(identity, Abort([o.request_id for o in message.outputs]))
             return
         if isinstance(message, StepOutput):
             aborts = self.outputs.process(message)
-            if aborts:  # stop strings, which the worker cannot see
+            if aborts:
                 self._send(w.identity, Abort(aborts))
         elif isinstance(message, Error):
             self._on_error(message)

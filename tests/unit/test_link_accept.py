@@ -2,7 +2,8 @@
 together share one tokenizer load; a worker gone before its answer is not
 taken on; a retried Hello with a Goodbye behind it leaves no worker; a Hello
 the gateway cannot serve is refused with the reason; a request whose send
-fails waits for the next worker; an embedding whose send fails is refused at once."""
+fails waits for the next worker; an embedding whose send fails is refused at once;
+outputs nobody here reads are aborted in the worker that sent them."""
 
 import asyncio
 import time
@@ -15,11 +16,14 @@ from gateway.output_processor import RequestState
 from gateway.worker_link import WorkerLink, WorkerState, WorkerUnavailable
 from protocol import (
     PROTOCOL_VERSION,
+    Abort,
     AddRequest,
     Goodbye,
     Hello,
     Refused,
+    RequestOutput,
     Sampling,
+    StepOutput,
     Welcome,
     decode_to_worker,
     encode,
@@ -180,5 +184,23 @@ def test_an_embedding_whose_send_fails_is_refused_at_once(tiny_model, tmp_path):
                 except WorkerUnavailable:
                     return
             raise AssertionError("the embedding was answered")
+
+    asyncio.run(run())
+
+
+def test_outputs_nobody_reads_are_aborted_in_the_worker(tiny_model, tmp_path):
+    """A request that ended here while its Abort could not reach the worker (a
+    tcp connection down), and a request of a worker the link does not know
+    (lost, or a gateway's before a restart): the worker is told to stop them."""
+    files = tokenizer_files(tiny_model)
+
+    async def run() -> None:
+        async with link_and_workers(f"ipc://{tmp_path}/link/w.sock", 2) as (link, (known, stranger)):
+            await welcomed(link, known, files, 1)
+            known.send(encode(StepOutput(7, [RequestOutput("ended-here", [5]), RequestOutput("done", [5], "length")])))
+            assert await answer(known) == Abort(["ended-here"])
+            stranger.send(encode(StepOutput(3, [RequestOutput("old-1", [5]), RequestOutput("old-2", [6])])))
+            assert await answer(stranger) == Abort(["old-1", "old-2"])
+            assert list(link.workers) == [b"worker-1"]
 
     asyncio.run(run())

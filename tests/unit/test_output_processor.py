@@ -52,13 +52,15 @@ def test_a_stop_string_ends_the_request_and_asks_for_an_abort(tokenizer):
     assert processor.get("r1") is None and s.status is RequestStatus.STOPPED
 
 
-def test_outputs_for_unknown_or_finished_requests_are_ignored(tokenizer):
+def test_outputs_for_unknown_or_ended_requests_reach_nobody_and_are_aborted_again(tokenizer):
+    """The worker may not have heard the first Abort (sent while its tcp connection was down)."""
     processor = OutputProcessor()
     s = stream(tokenizer)
     processor.add(s)
-    assert processor.process(step(RequestOutput("ghost", [5]))) == []
+    assert processor.process(step(RequestOutput("ghost", [5]))) == ["ghost"]
     assert processor.abort("r1") and s.status is RequestStatus.ABORTED
-    assert processor.process(step(RequestOutput("r1", [5]))) == [] and drained(s) == []
+    assert processor.process(step(RequestOutput("r1", [5]))) == ["r1"] and drained(s) == []
+    assert processor.process(step(RequestOutput("r1", [5], "length"))) == []  # it ended there too
 
 
 def test_one_step_serves_every_request_in_it(tokenizer):
