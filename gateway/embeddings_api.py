@@ -52,8 +52,8 @@ class EmbeddingsAPI:
         """One vector per input (shortened to `dimensions` when asked), and the tokens they took.
         Every API's embeddings are made here (OpenAI's, Ollama's)."""
         serving = self.serving
-        if any(len(i) == 0 for i in inputs):
-            raise APIError(400, "an input is empty", param="input")
+        if not inputs or any(len(i) == 0 for i in inputs):
+            raise APIError(400, "an input is empty" if inputs else "there is no input", param="input")
         lease, worker = await serving.lease(model, keep_alive_seconds(keep_alive))
         release = None
         try:

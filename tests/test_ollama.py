@@ -144,6 +144,7 @@ def test_a_pinned_model_outlasts_a_clients_unload(tiny_model, tmp_path):
     ("/api/generate", {"model": MODEL_NAME, "prompt": "x", "context": [1, 2]}, 400, "context"),
     ("/api/generate", {"model": MODEL_NAME, "prompt": "x", "options": {"num_predict": 0}}, 400, "num_predict"),
     ("/api/embed", {"model": MODEL_NAME, "input": [""]}, 400, "empty"),
+    ("/api/embed", {"model": MODEL_NAME, "input": []}, 400, "no input"),
     ("/api/embed", {"model": MODEL_NAME, "input": ["x"] * 2049}, 400, "input"),
     ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"seed": 2**64}}, 400, "seed"),
     ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"top_k": 2**64}}, 400, "top_k"),

@@ -27,7 +27,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -75,11 +75,12 @@ class EmbeddingJob:
     """An embeddings request being embedded a piece a turn."""
 
     request: Embed
-    vectors: list[np.ndarray] = field(default_factory=list)  # each piece's rows, in order
+    vectors: np.ndarray | None = None  # a row per input, filled as pieces are done
     embedded: int = 0  # inputs done
 
     def next_piece(self, tokens: int) -> Embed:
-        """The next inputs, as many as fit in `tokens` (one at least)."""
+        """The next inputs, as many as fit in `tokens` (one at least: an input
+        is never split, so one of a whole context is a piece of its own)."""
         inputs = self.request.inputs
         end = self.embedded + 1
         total = len(inputs[self.embedded])
@@ -98,6 +99,7 @@ class EngineRunner:
         self.embedder = embedder  # None: the model cannot embed
         self.channel = channel  # None: a worker of one process
         self.checksum = 0  # of the tokens the last step drew, in a group
+        self.pieces = 0  # embedding pieces done: progress, as steps are
 
     def send(self, message) -> None:
         """A rank other than 0 has no one to tell: rank 0 tells the gateway the same."""
@@ -123,8 +125,12 @@ class EngineRunner:
         try:
             return self.embedder(piece.inputs)
         except Exception as e:  # a failed embedding must not take the running requests' worker down
+            if self.channel is not None:
+                raise  # but a group's ranks would part ways inside the model's collectives, as for a step
             log.exception("embedding failed")
             return e
+        finally:
+            self.pieces += 1
 
     def embedded(self, piece: Embed, result: np.ndarray | Exception) -> None:
         """A rank other than 0 has no one to tell: rank 0 answers the request."""
@@ -140,9 +146,11 @@ class Follower(EngineRunner):
         self.group = channel
 
     def run(self) -> int:
+        step = GroupStep()
         while True:
-            if not self.engine.has_work:
-                time.sleep(IDLE_SLOT_S)  # as long as rank 0 waits for the gateway
+            # As long as rank 0 waits for the gateway, which it does not while it embeds.
+            if not self.engine.has_work and not step.embeds:
+                time.sleep(IDLE_SLOT_S)
             step = self.group.share()
             if step.stop:
                 return 0
@@ -221,6 +229,8 @@ class Worker(EngineRunner):
                     buffers.append(tensors)
                 case Embed(request_id=request_id) if self.embedder is None:
                     self.send(Error(request_id, "this model cannot embed (a vision model)"))
+                case Embed(request_id=request_id, inputs=[]):
+                    self.send(Error(request_id, "no inputs to embed"))
                 case Embed(request_id=request_id) if request_id not in aborted:
                     self._embedding.append(EmbeddingJob(message))
                 case Welcome(epoch=epoch) if epoch == self.hello.epoch and not self.welcomed:
@@ -240,12 +250,13 @@ class Worker(EngineRunner):
             self._embedding.popleft()
             self.send(Error(piece.request_id, f"embedding failed: {result}"))
             return
-        job.vectors.append(result)
-        job.embedded += len(piece.inputs)
+        if job.vectors is None:
+            job.vectors = np.empty((len(job.request.inputs), result.shape[1]), "<f4")
+        job.vectors[job.embedded:job.embedded + len(result)] = result
+        job.embedded += len(result)
         if job.embedded == len(job.request.inputs):
             self._embedding.popleft()
-            vectors = np.concatenate(job.vectors)
-            self.send(Embeddings(piece.request_id, int(vectors.shape[1]), vectors.astype("<f4").tobytes()))
+            self.send(Embeddings(piece.request_id, int(job.vectors.shape[1]), job.vectors.tobytes()))
 
     def _seeded(self, request: AddRequest) -> AddRequest:
         """In a group, a sampled request without a seed gets one of rank 0's
@@ -283,8 +294,9 @@ class Worker(EngineRunner):
         """Heartbeat thread: a snapshot of plain counters, no MLX."""
         return Heartbeat(
             epoch=self.hello.epoch,
-            step=self.engine.steps,
-            running=self.engine.running,
+            # Embedding pieces are progress and work too: a worker embedding is not hung, nor idle.
+            step=self.engine.steps + self.pieces,
+            running=self.engine.running + len(self._embedding),
             waiting=self.engine.waiting,
             affinity=self.audit.report() if self.audit else None,
             prefix_cache=self.engine.cache_stats(),
@@ -355,6 +367,8 @@ class Worker(EngineRunner):
             if self.welcomed:
                 log.info("the connection to the gateway dropped; saying Hello again")
             self.welcomed = False
+            # Its embeddings requests failed there with the connection: nobody awaits them now.
+            self._embedding.clear()
         now = time.monotonic()
         if not self.welcomed and now >= self._next_hello:
             self.send(self.hello)
