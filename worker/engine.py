@@ -28,9 +28,9 @@ from worker.vision import VisionPrefill, images_key
 log = logging.getLogger("mlxd.worker")
 
 MAX_TOP_LOGPROBS = 20
-# Image work in a step that also decodes is held to this share of a decode
-# step's time, so running text streams slow to at most about 1.5 times their
-# pace while images are encoded.
+# Side work in a step that also decodes (images encoded, embeddings) is held
+# to this share of a decode step's time, so running text streams slow to at
+# most about 1.5 times their pace meanwhile.
 IMAGE_WORK_SHARE = 0.5
 
 
@@ -227,12 +227,7 @@ class Engine:
         prefilling, oldest first, until the step's budget is spent (one piece
         when nothing decodes); each request joins the batch for its last
         token once its prompt is in its cache."""
-        if not self._by_uid:  # nothing decoding: nobody waits on the piece, however long
-            budget = math.inf
-        elif not self._decode_seconds:  # no decode step timed yet: the least image work a piece can hold
-            budget = 0.0
-        else:
-            budget = self.image_work_share * statistics.median(self._decode_seconds)
+        budget = self.side_work_budget()
         deadline = perf_counter() + budget
         while self._prefilling:
             joining, prompt, pieces = self._prefilling[0]
@@ -248,6 +243,16 @@ class Engine:
                 self.failed.append((joining.admitted.request_id, f"its images could not be encoded: {e}"))
             if budget == math.inf or perf_counter() >= deadline:
                 break
+
+    def side_work_budget(self) -> float:
+        """Seconds of work beside this step's decoding (image pieces, an
+        embedding's piece): unbounded when nothing decodes (nobody waits on
+        it), none before a decode step is timed (the least work a piece holds)."""
+        if not self._by_uid:
+            return math.inf
+        if not self._decode_seconds:
+            return 0.0
+        return self.image_work_share * statistics.median(self._decode_seconds)
 
     def abort(self, request_ids: list[str], keep: bool = True) -> None:
         """Drop requests; unknown or finished ids are ignored (aborts are

@@ -2,8 +2,8 @@
 
 Each turn: stop if a drain is over, greet the gateway until welcomed, take
 every waiting message (without blocking while there is work) and apply aborts
-then adds, embed a piece of the oldest embeddings request (inputs worth one
-prefill chunk), run one engine step, and send one StepOutput for the whole
+then adds, embed a piece of the oldest embeddings request (as many inputs as
+the step's budget for side work holds), run one engine step, and send one StepOutput for the whole
 batch. An embeddings request of thousands of inputs so goes in pieces between
 steps: the running streams keep their pace, and the step counter that tells
 the gateway the worker is not hung keeps moving.
@@ -22,6 +22,7 @@ runs a Follower, which applies the same input and steps the same batch.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import time
@@ -59,6 +60,7 @@ from worker.engine import Engine, InvalidRequest
 from worker.footprint import memory_stats
 from worker.heartbeat import HeartbeatThread
 from worker.transport import connect
+from worker.vision import token_seconds
 
 log = logging.getLogger("mlxd.worker")
 
@@ -100,6 +102,7 @@ class EngineRunner:
         self.channel = channel  # None: a worker of one process
         self.checksum = 0  # of the tokens the last step drew, in a group
         self.pieces = 0  # embedding pieces done: progress, as steps are
+        self.embed_timed: deque[tuple[int, float]] = deque(maxlen=8)  # the latest pieces' tokens and seconds
 
     def send(self, message) -> None:
         """A rank other than 0 has no one to tell: rank 0 tells the gateway the same."""
@@ -122,8 +125,11 @@ class EngineRunner:
     def _embed(self, piece: Embed) -> np.ndarray | Exception:
         """Between steps: the running requests wait for it, as for a prefill chunk."""
         assert self.embedder is not None  # rank 0 refuses embeddings a model cannot make
+        started = time.perf_counter()
         try:
-            return self.embedder(piece.inputs)
+            vectors = self.embedder(piece.inputs)
+            self.embed_timed.append((sum(map(len, piece.inputs)), time.perf_counter() - started))
+            return vectors
         except Exception as e:  # a failed embedding must not take the running requests' worker down
             if self.channel is not None:
                 raise  # but a group's ranks would part ways inside the model's collectives, as for a step
@@ -239,10 +245,20 @@ class Worker(EngineRunner):
                 case Refused(reason=reason):
                     raise GatewayRefused(reason)
         if self._embedding:
-            step.embeds.append(self._embedding[0].next_piece(self.settings.prefill_chunk))
+            step.embeds.append(self._embedding[0].next_piece(self._piece_tokens()))
         if self.channel is not None:
             self.channel.share(step)
         self.apply(step, buffers)
+
+    def _piece_tokens(self) -> int:
+        """Tokens of inputs in the next embedding piece: what the step's budget
+        for side work holds at the latest pieces' pace (a prefill chunk at
+        most; one input at least, and while none is timed)."""
+        budget = self.engine.side_work_budget()
+        if budget == math.inf:
+            return self.settings.prefill_chunk
+        seconds = token_seconds(self.embed_timed)
+        return 0 if seconds is None else min(int(budget / seconds), self.settings.prefill_chunk)
 
     def embedded(self, piece: Embed, result: np.ndarray | Exception) -> None:
         job = self._embedding[0]  # the piece is the oldest job's, taken this turn
