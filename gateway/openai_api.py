@@ -31,6 +31,7 @@ from gateway.openai_schema import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    CompletionTokensDetails,
     FunctionDelta,
     FunctionOut,
     GenerationRequest,
@@ -178,7 +179,7 @@ def _include_usage(body: GenerationRequest) -> bool:
 
 def _usage(group: RequestGroup) -> Usage:
     return Usage(group.prompt_tokens, group.completion_tokens, group.prompt_tokens + group.completion_tokens,
-                 PromptTokensDetails(group.cached_tokens))
+                 PromptTokensDetails(group.cached_tokens), CompletionTokensDetails(group.reasoning_tokens))
 
 
 def _token_bytes(text: str) -> list[int]:

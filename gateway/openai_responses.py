@@ -262,7 +262,7 @@ class ResponseOutput:
         usage: ResponseUsage | msgspec.UnsetType = msgspec.UNSET
         if group is not None:
             usage = ResponseUsage(group.prompt_tokens, InputTokensDetails(group.cached_tokens),
-                                  group.completion_tokens, OutputTokensDetails(),
+                                  group.completion_tokens, OutputTokensDetails(group.reasoning_tokens),
                                   group.prompt_tokens + group.completion_tokens)
         return ResponseObject(
             self.id, self._created, status, body.model, list(self._items), body.instructions, self._tools,

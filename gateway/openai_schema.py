@@ -181,11 +181,16 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0  # tokens whose KV state was reused from the prefix cache
 
 
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int = 0  # generated inside the reasoning block (counted in completion_tokens)
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = msgspec.field(default_factory=CompletionTokensDetails)
 
 
 class TopLogprob(msgspec.Struct):

@@ -91,6 +91,8 @@ class RequestState:
         self.worker_losses = 0
         self.worker: bytes | None = None  # the identity of the worker running it (gateway/worker_link.py)
         self.cached_tokens = 0  # prompt tokens the worker took from its prefix cache
+        self.reasoning_tokens = 0  # generated inside the reasoning block, its markers included
+        self._held_tokens = 0  # of the latest steps the parser held back whole (counted once it is known what they are)
         self.first_token_at: float | None = None  # time.monotonic() of its first token (Ollama's durations)
         # The weights it runs on (Hello.model_digest): it resumes only on the same.
         self.model_digest = ""
@@ -127,7 +129,15 @@ class RequestState:
         reasoning = ""
         calls: list[ToolCall] = []
         if self._parser is not None:
+            thinking = self._parser.reasoning
             reasoning, text, calls = self._parser.feed(text, ended)
+            if thinking or self._parser.reasoning:  # the step's tokens opened, continued or closed the block
+                self.reasoning_tokens += len(output.token_ids) + self._held_tokens
+                self._held_tokens = 0
+            elif reasoning or text or calls:
+                self._held_tokens = 0
+            else:  # held back by the parser: perhaps the first tokens of an opening marker
+                self._held_tokens += len(output.token_ids)
         finish: str | None = "stop" if stop is not None else output.finish_reason
         if finish == "stop" and self._parser is not None and self._parser.calls:
             finish = "tool_calls"
@@ -246,6 +256,10 @@ class RequestGroup:
     @property
     def cached_tokens(self) -> int:
         return self.states[0].cached_tokens
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return sum(s.reasoning_tokens for s in self.states)
 
     @property
     def first_token_at(self) -> float | None:

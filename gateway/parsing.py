@@ -251,6 +251,11 @@ class MessageParser:
         """Every call found so far."""
         return self._tools.calls if self._tools is not None else []
 
+    @property
+    def reasoning(self) -> bool:
+        """Inside the reasoning block now."""
+        return self._reasoning is not None and self._reasoning.inside
+
     def feed(self, text: str, final: bool) -> tuple[str, str, list[ToolCall]]:
         """(reasoning, content, tool calls) that this text completes."""
         reasoning = ""
@@ -317,6 +322,11 @@ class HarmonyParser:
             content.append(self._pending)
             self._pending = ""
         return "".join(reasoning), "".join(content), calls
+
+    @property
+    def reasoning(self) -> bool:
+        """Inside an analysis message's body now."""
+        return self._in_body and self._channel == "analysis" and not self._recipient
 
     def _body(self, text: str, reasoning: list[str], content: list[str]) -> None:
         if self._recipient:

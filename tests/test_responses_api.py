@@ -185,6 +185,7 @@ def test_reasoning_comes_back_as_a_reasoning_item(reasoning_server, validate, su
     part = {"type": "summary_text" if summary else "reasoning_text", "text": "The user wants the capital.\n"}
     assert (reasoning["type"], reasoning["summary" if summary else "content"]) == ("reasoning", [part])
     assert message["content"][0]["text"] == "Paris."
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == 3  # <think>, its text, </think>
     events = []
     with reasoning_server.http.stream("POST", "/v1/responses", json=dict(body, stream=True)) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]

@@ -182,9 +182,13 @@ def test_tool_messages_round_trip(scripted):
 @pytest.mark.parametrize("model", ["reasoning", "reasoning-longcat", "reasoning-gemma", "reasoning-harmony"])
 def test_reasoning_goes_to_reasoning_content(scripted, model):
     client = openai_client(scripted(model))
-    message = client.chat.completions.create(model="scripted", messages=ASK, temperature=0).choices[0].message
+    completion = client.chat.completions.create(model="scripted", messages=ASK, temperature=0)
+    message = completion.choices[0].message
     assert message.content == "Paris."
     assert message.reasoning_content == "The user wants the capital.\n"
+    # The opening marker, the reasoning and the closing marker (Harmony: the analysis message whole,
+    # its header three tokens here).
+    assert completion.usage.completion_tokens_details.reasoning_tokens == (5 if model == "reasoning-harmony" else 3)
     content, reasoning, _, finish = streamed(client, messages=ASK, temperature=0)
     assert (content, reasoning, finish) == ("Paris.", "The user wants the capital.\n", "stop")
 
