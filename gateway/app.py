@@ -188,6 +188,7 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
             Route("/v1/messages", anthropic.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
             Route("/v1/requests/{request_id}/cancel", cancel, methods=["POST"]),
+            Route("/", ollama.running, methods=["GET"]),  # and HEAD, as every GET route
             Route("/api/version", ollama.version, methods=["GET"]),
             Route("/api/tags", ollama.tags, methods=["GET"]),
             Route("/api/ps", ollama.ps, methods=["GET"]),

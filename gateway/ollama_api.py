@@ -17,13 +17,14 @@ import math
 import time
 import uuid
 from datetime import datetime, timezone
+from typing import TypeVar
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
 from gateway.embeddings_api import EmbeddingsAPI
-from gateway.errors import APIError, decode_body
+from gateway.errors import APIError, convert, decode_body
 from gateway.images import ImageSource
 from gateway.ollama_schema import (
     ChatChunk,
@@ -61,6 +62,7 @@ from gateway.serving import OLLAMA_DEFAULT_TAG, Choice, Serving
 
 # The Ollama release whose API this follows: clients check it before using newer features.
 OLLAMA_VERSION = "0.12.0"
+T = TypeVar("T")
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -77,6 +79,24 @@ def nanoseconds(seconds: float) -> int:
 def tagged(name: str) -> str:
     """A served name as Ollama's clients list it: with a tag."""
     return name if ":" in name.rsplit("/", 1)[-1] else name + OLLAMA_DEFAULT_TAG
+
+
+def decode_ollama(body: bytes, request_type: type[T]) -> T:
+    """A chat or generate body as Ollama (Go) reads it: a null is a field left
+    out, in the body, its options and its messages (clients send them so). Not
+    deeper: a schema in `format` or a tool's arguments may hold nulls of their own."""
+    raw = decode_body(body, object)
+    if isinstance(raw, dict):
+        raw = _present(raw)
+        if isinstance(raw.get("options"), dict):
+            raw["options"] = _present(raw["options"])
+        if isinstance(raw.get("messages"), list):
+            raw["messages"] = [_present(m) if isinstance(m, dict) else m for m in raw["messages"]]
+    return convert(raw, request_type, "")
+
+
+def _present(fields: dict) -> dict:
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 def sampling(options: Options | None) -> tuple[SamplingParams, list[str], int | None]:
@@ -214,8 +234,12 @@ class OllamaAPI:
     async def version(self, _request: Request) -> Response:
         return MsgspecResponse({"version": OLLAMA_VERSION})
 
+    async def running(self, _request: Request) -> Response:
+        """`/`: what Ollama answers there; its CLI checks it (HEAD) before every command."""
+        return PlainTextResponse("Ollama is running")
+
     async def chat(self, request: Request) -> Response:
-        body = decode_body(await self.serving.read_body(request), ChatRequest)
+        body = decode_ollama(await self.serving.read_body(request), ChatRequest)
         if not body.messages:
             return await self._load_or_unload(body.model, body.keep_alive, ChatOutput(body.model, 0.0))
         renderer = ChatOutput(body.model, request.scope["state"]["arrived"])
@@ -224,7 +248,7 @@ class OllamaAPI:
                                                         body.keep_alive, "messages"), renderer)
 
     async def generate(self, request: Request) -> Response:
-        body = decode_body(await self.serving.read_body(request), GenerateRequest)
+        body = decode_ollama(await self.serving.read_body(request), GenerateRequest)
         for name, value, why in (("suffix", body.suffix, "fill-in-the-middle is not supported"),
                                  ("template", body.template, "mlxd renders the model's own chat template; "
                                   "send raw: true with a prompt of your own"),

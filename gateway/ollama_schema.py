@@ -22,9 +22,9 @@ KeepAlive = str | float | None
 class Options(msgspec.Struct):
     """The `options` mlxd maps onto its sampling; the others are ignored."""
 
-    temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
+    temperature: Annotated[float, Meta(ge=0)] | None = None
     top_p: Annotated[float, Meta(ge=0, le=1)] | None = None
-    top_k: Annotated[int, Meta(ge=0, le=MAX_INT)] | None = None
+    top_k: Annotated[int, Meta(le=MAX_INT)] | None = None  # 0 or less: off, as in llama.cpp
     min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
     seed: Seed | None = None
     num_predict: Annotated[int, Meta(ge=-2, le=MAX_INT)] | None = None  # -1: no limit, -2: fill the context

@@ -99,6 +99,8 @@ def test_tags_ps_show_and_version(client, server):
     assert "completion" in shown.capabilities and "<|im_start|>" in shown.template
     assert shown.modelinfo["llama.context_length"] == 2048
     assert server.http.get("/api/version").json()["version"]
+    # Ollama's CLI checks the server with HEAD / before each command; apps look for this text.
+    assert server.http.head("/").status_code == 200 and server.http.get("/").text == "Ollama is running"
     entry = server.http.get("/v1/models").json()["data"][0]
     assert entry["size"] > 0 and entry["context_length"] == 2048
 
@@ -156,6 +158,21 @@ def test_bad_input_gets_ollamas_error_shape(server, path, body, status, words):
     assert response.status_code == status, response.text
     error = response.json()
     assert list(error) == ["error"] and words in error["error"]
+
+
+def test_nulls_and_options_ollama_takes_are_taken(server, reference):
+    """Go reads a null as the field left out; Ollama bounds neither temperature nor top_k (0 or less: off)."""
+    expected = reference.greedy(reference.chat_prompt(MESSAGES), GREEDY["num_predict"]).text
+    messages = [MESSAGES[0], {**MESSAGES[1], "images": None, "tool_calls": None, "thinking": None}]
+    body = {"model": MODEL_NAME, "messages": messages, "stream": None, "format": None, "tools": None,
+            "options": {**GREEDY, "top_k": -1, "stop": None}}
+    answer = server.http.post("/api/chat", json=body)
+    assert answer.status_code == 200, answer.text
+    lines = [json.loads(line) for line in answer.text.splitlines()]  # stream: null is the default, a stream
+    assert len(lines) > 1 and "".join(line["message"]["content"] for line in lines) == expected
+    nulls = server.http.post("/api/chat", json={"model": MODEL_NAME, "stream": False, "options": {"temperature": 3},
+                                                "messages": [{"role": "user", "content": None}]})
+    assert nulls.status_code == 200, nulls.text
 
 
 def test_unknown_options_are_ignored_as_ollama_ignores_them(client, reference):
