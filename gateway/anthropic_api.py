@@ -57,10 +57,13 @@ def event(name: str, payload: dict) -> bytes:
     return sse_event(payload, name)
 
 
-def stop_reason(finish_reason: str | None, stop_string: str | None) -> str:
+def stop_reason(finish_reason: str | None, stop_string: str | None, calls: int) -> tuple[str, str | None]:
+    """The message's stop_reason, and its stop_sequence (only with stop_reason "stop_sequence")."""
+    if calls:
+        return "tool_use", None
     if stop_string is not None:
-        return "stop_sequence"
-    return "max_tokens" if finish_reason == "length" else "end_turn"
+        return "stop_sequence", stop_string
+    return "max_tokens" if finish_reason == "length" else "end_turn", None
 
 
 def chat_input(body: Conversation) -> ChatInput:
@@ -70,7 +73,7 @@ def chat_input(body: Conversation) -> ChatInput:
     messages = []
     images = []
     if body.system:
-        system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
+        system = body.system if isinstance(body.system, str) else "\n\n".join(b.text for b in body.system)
         messages.append(template_message("system", [{"type": "text", "text": system}]))
     for i, m in enumerate(body.messages):
         blocks = [TextBlock(m.content)] if isinstance(m.content, str) else m.content
@@ -181,8 +184,7 @@ class MessageOutput:
         self._shows_thinking = shows_thinking
         self._blocks = Blocks()
         self._calls = 0
-        self._reason: str | None = None
-        self._stop_string: str | None = None
+        self._finish: tuple[str | None, str | None] = (None, None)  # the finish reason and the stop string met
         self._held = ""  # whitespace alone opens no text block; it goes in front of the text after it
 
     def opening(self, group: RequestGroup) -> list[bytes]:
@@ -206,16 +208,16 @@ class MessageOutput:
             self._calls += 1
             out += blocks.tool_use(call)
         if delta.finish_reason is not None:
-            self._reason, self._stop_string = stop_reason(delta.finish_reason, delta.stop_string), delta.stop_string
+            self._finish = (delta.finish_reason, delta.stop_string)
         return out
 
     def ending(self, group: RequestGroup, error: APIError | None) -> list[bytes]:
         if error is not None:
             return [event("error", anthropic_error_body(error.status, error.message))]
+        reason, sequence = stop_reason(*self._finish, self._calls)
         return [*self._blocks.close(ensure_one=True),
                 event("message_delta", {"type": "message_delta",
-                                        "delta": {"stop_reason": "tool_use" if self._calls else self._reason,
-                                                  "stop_sequence": self._stop_string},
+                                        "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                         "usage": msgspec.to_builtins(usage(group))}),
                 event("message_stop", {"type": "message_stop"})]
 
@@ -225,14 +227,8 @@ class MessageOutput:
         content: list = [ThinkingOut(choice.reasoning)] if choice.reasoning and self._shows_thinking else []
         content += [TextOut(choice.text)] if choice.text.strip() or not (calls or content) else []
         content += [tool_use(c) for c in calls]
-        return MessageOut(
-            self.id,
-            self.model,
-            content,
-            "tool_use" if calls else stop_reason(choice.finish_reason, choice.stop_string),
-            choice.stop_string,
-            usage(group),
-        )
+        reason, sequence = stop_reason(choice.finish_reason, choice.stop_string, len(calls))
+        return MessageOut(self.id, self.model, content, reason, sequence, usage(group))
 
 
 class Blocks:

@@ -62,10 +62,13 @@ class ToolResultBlock(msgspec.Struct, tag_field="type", tag="tool_result", forbi
     keep_alive: KeepAlive = None
 
     def text(self) -> str:
-        """The result's text; its images are not passed to the model."""
+        """The result's text (its images are not passed to the model), said
+        to be an error when the tool failed: the template has no other way."""
         if isinstance(self.content, list):
-            return "".join(block.text for block in self.content if isinstance(block, TextBlock))
-        return self.content or ""
+            text = "\n".join(block.text for block in self.content if isinstance(block, TextBlock))
+        else:
+            text = self.content or ""
+        return f"Error: {text}" if self.is_error else text
 
 
 class ThinkingBlock(msgspec.Struct, tag_field="type", tag="thinking", forbid_unknown_fields=True):

@@ -210,7 +210,9 @@ class Serving:
         if len(prompt) >= context:
             raise APIError(
                 400,
-                f"This model's maximum context length is {context} tokens; the prompt has {len(prompt)} tokens.",
+                # Anthropic's words first: clients (Claude Code) read them to compact the conversation.
+                f"prompt is too long: {len(prompt)} tokens > {context - 1} maximum (this model's maximum context "
+                f"length is {context} tokens, one at least left to generate)",
                 param=prompt_param,
                 code="context_length_exceeded",
             )
@@ -276,11 +278,10 @@ class Serving:
         max_tokens = self.max_tokens(prompt.token_ids, plan.max_tokens, worker, plan.prompt_param,
                                      plan.max_tokens_param)
         family = worker.tokenizer.tool_family
-        samplings = plan.sampling.samplings(worker.sampling, worker.hello.vocab_size, max_tokens,
-                                            plan.grammar(forced_call_format(worker),
-                                                         worker.tokenizer.added_tokens))
+        grammar = plan.grammar(forced_call_format(worker), worker.tokenizer.added_tokens)
+        samplings = plan.sampling.samplings(worker.sampling, worker.hello.vocab_size, max_tokens, grammar)
         parsers = (stream_parsers(worker.reasoning_markers, family, prompt.text, plan.tools,
-                                  worker.tool_format)
+                                  worker.tool_format, constrained=grammar is not None)
                    if isinstance(plan.prompt, ChatInput) else None)
         ids = [request_id] if len(samplings) == 1 else [f"{request_id}-{i}" for i in range(len(samplings))]
         queue: asyncio.Queue[Delta] = asyncio.Queue()

@@ -114,6 +114,24 @@ def test_content_blocks_and_tool_results_are_rendered(client, reference):
     assert message.content[0].text == expected.text
 
 
+def test_system_blocks_and_failed_tool_results_reach_the_model(client, reference):
+    """System blocks are separate paragraphs (Claude Code sends several); a tool result with is_error says so."""
+    blocks = [{"type": "text", "text": "You are terse."}, {"type": "text", "text": "Answer in one word."}]
+    count = client.messages.count_tokens(model=MODEL_NAME, system=blocks, messages=MESSAGES)
+    joined = chat_of("You are terse.\n\nAnswer in one word.", MESSAGES)
+    assert count.input_tokens == len(reference.chat_prompt(joined))
+
+    def with_result(content: str, is_error: bool) -> int:
+        messages = [{"role": "user", "content": "Run it"},
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Bash", "input": {}}]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "is_error": is_error,
+                                                  "content": [{"type": "text", "text": content}]}]}]
+        return client.messages.count_tokens(model=MODEL_NAME, messages=messages).input_tokens
+
+    assert with_result("no such file", True) == with_result("Error: no such file", False) != with_result(
+        "no such file", False)
+
+
 ANTHROPIC_BAD = [
     ({"max_tokens": 8, "messages": MESSAGES}, 400),  # no model
     ({"model": MODEL_NAME, "messages": MESSAGES}, 400),  # no max_tokens

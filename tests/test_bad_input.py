@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.conftest import MODEL_NAME
@@ -96,7 +98,13 @@ def test_bad_input_gets_its_4xx(server, path, body, status, param, stream):
 
 def test_context_length_error_code(server):
     response = server.http.post(COMPLETIONS, json={"model": MODEL_NAME, "prompt": [5] * 2100})
-    assert assert_openai_error(response, 400, "prompt")["code"] == "context_length_exceeded"
+    error = assert_openai_error(response, 400, "prompt")
+    assert error["code"] == "context_length_exceeded" and "maximum context length is 2048 tokens" in error["message"]
+    # In Anthropic's words, which Claude Code reads to compact its conversation.
+    anthropic = server.http.post("/v1/messages", json={"model": MODEL_NAME, "max_tokens": 8,
+                                                       "messages": [{"role": "user", "content": "sea " * 2100}]})
+    assert anthropic.status_code == 400
+    assert re.match(r"prompt is too long: \d+ tokens > 2047 maximum", anthropic.json()["error"]["message"])
 
 
 def test_unknown_route_and_method(server):
