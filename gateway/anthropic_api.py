@@ -17,9 +17,11 @@ from gateway.anthropic_schema import (
     Base64Source,
     Conversation,
     CountTokensRequest,
+    DocumentBlock,
     ImageBlock,
     MessageOut,
     MessagesRequest,
+    SearchResultBlock,
     TextBlock,
     TextOut,
     ThinkingDisabled,
@@ -82,6 +84,8 @@ def chat_input(body: Conversation) -> ChatInput:
         for j, block in enumerate(blocks):
             if isinstance(block, TextBlock):
                 parts.append({"type": "text", "text": block.text})
+            elif isinstance(block, DocumentBlock | SearchResultBlock):
+                parts.append({"type": "text", "text": block.text()})
             elif isinstance(block, ImageBlock):
                 source = block.source
                 param = f"messages[{i}].content[{j}].source"

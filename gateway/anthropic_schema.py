@@ -38,8 +38,60 @@ class URLSource(msgspec.Struct, tag_field="type", tag="url", forbid_unknown_fiel
 class ImageBlock(msgspec.Struct, tag_field="type", tag="image", forbid_unknown_fields=True):
     source: Base64Source | URLSource
     cache_control: CacheControl | None = None
+    transformations: dict[str, Any] | None = None  # ignored: what Anthropic's servers do to an image first
     # Extension (Ollama's): how long the model stays loaded once idle.
     keep_alive: KeepAlive = None
+
+
+class PlainTextSource(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+    data: str
+    media_type: Literal["text/plain"] = "text/plain"
+
+
+class ContentSource(msgspec.Struct, tag_field="type", tag="content", forbid_unknown_fields=True):
+    content: str | list[TextBlock | ImageBlock]
+
+
+class PDFSource(msgspec.Struct, tag_field="type", tag="base64", forbid_unknown_fields=True):
+    data: str
+    media_type: Literal["application/pdf"] = "application/pdf"
+
+
+class FileSource(msgspec.Struct, tag_field="type", tag="file", forbid_unknown_fields=True):
+    file_id: str
+
+
+class DocumentBlock(msgspec.Struct, tag_field="type", tag="document", forbid_unknown_fields=True):
+    """A document (Claude Code sends the files it reads so): its text reaches
+    the model; a PDF or an uploaded file, which mlxd cannot read, is named as left out."""
+
+    source: PlainTextSource | ContentSource | PDFSource | URLSource | FileSource
+    title: str | None = None
+    context: str | None = None
+    citations: dict[str, Any] | None = None  # ignored: mlxd cites nothing
+    cache_control: CacheControl | None = None
+
+    def text(self) -> str:
+        source = self.source
+        if isinstance(source, PlainTextSource):
+            body = source.data
+        elif isinstance(source, ContentSource):
+            body = source.content if isinstance(source.content, str) else "\n".join(
+                block.text for block in source.content if isinstance(block, TextBlock))
+        else:
+            body = "[a PDF or file document, left out: this server reads text documents only]"
+        return "\n".join(part for part in (self.title, self.context, body) if part)
+
+
+class SearchResultBlock(msgspec.Struct, tag_field="type", tag="search_result", forbid_unknown_fields=True):
+    content: list[TextBlock]
+    source: str
+    title: str
+    citations: dict[str, Any] | None = None  # ignored: mlxd cites nothing
+    cache_control: CacheControl | None = None
+
+    def text(self) -> str:
+        return "\n".join([f"{self.title} ({self.source})", *(block.text for block in self.content)])
 
 
 class ToolUseBlock(msgspec.Struct, tag_field="type", tag="tool_use", forbid_unknown_fields=True):
@@ -55,9 +107,10 @@ class ToolUseBlock(msgspec.Struct, tag_field="type", tag="tool_use", forbid_unkn
 
 class ToolResultBlock(msgspec.Struct, tag_field="type", tag="tool_result", forbid_unknown_fields=True):
     tool_use_id: str
-    content: str | list[TextBlock | ImageBlock] | None = None
+    content: str | list[TextBlock | ImageBlock | DocumentBlock | SearchResultBlock] | None = None
     is_error: bool = False
     cache_control: CacheControl | None = None
+    toolset_name: str | None = None  # ignored
     # Extension (Ollama's): how long the model stays loaded once idle.
     keep_alive: KeepAlive = None
 
@@ -65,7 +118,8 @@ class ToolResultBlock(msgspec.Struct, tag_field="type", tag="tool_result", forbi
         """The result's text (its images are not passed to the model), said
         to be an error when the tool failed: the template has no other way."""
         if isinstance(self.content, list):
-            text = "\n".join(block.text for block in self.content if isinstance(block, TextBlock))
+            text = "\n".join(block.text if isinstance(block, TextBlock) else block.text()
+                             for block in self.content if not isinstance(block, ImageBlock))
         else:
             text = self.content or ""
         return f"Error: {text}" if self.is_error else text
@@ -80,7 +134,8 @@ class RedactedThinkingBlock(msgspec.Struct, tag_field="type", tag="redacted_thin
     data: str
 
 
-Block = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+Block = (TextBlock | ImageBlock | DocumentBlock | SearchResultBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+         | RedactedThinkingBlock)
 
 
 Effort = Literal["low", "medium", "high", "xhigh", "max"]
@@ -142,10 +197,12 @@ Display = Literal["summarized", "omitted"]
 class ThinkingEnabled(msgspec.Struct, tag_field="type", tag="enabled", forbid_unknown_fields=True):
     budget_tokens: Annotated[int, Meta(ge=1)] | None = None  # not enforced: the template's switch only
     display: Display | None = None
+    block_binding: dict[str, Any] | None = None  # ignored: earlier thinking is not checked here
 
 
 class ThinkingAdaptive(msgspec.Struct, tag_field="type", tag="adaptive", forbid_unknown_fields=True):
     display: Display | None = None
+    block_binding: dict[str, Any] | None = None  # ignored: earlier thinking is not checked here
 
 
 class ThinkingBetweenTools(msgspec.Struct, tag_field="type", tag="between_tools", forbid_unknown_fields=True):
@@ -166,6 +223,7 @@ class JSONOutputFormat(msgspec.Struct, tag_field="type", tag="json_schema", forb
 class OutputConfig(msgspec.Struct, forbid_unknown_fields=True):
     effort: Effort | None = None
     format: JSONOutputFormat | None = None
+    task_budget: dict[str, Any] | None = None  # ignored: max_tokens bounds the output
 
 
 class Metadata(msgspec.Struct, forbid_unknown_fields=True):

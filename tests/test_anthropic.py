@@ -132,6 +132,32 @@ def test_system_blocks_and_failed_tool_results_reach_the_model(client, reference
         "no such file", False)
 
 
+def test_documents_and_search_results_reach_the_model_as_text(client):
+    """Claude Code sends the files it reads as document blocks, and they stay in the history: a text
+    document is its text; a PDF, which this server cannot read, is named as left out, not a 400."""
+    def count(*content: dict, result: list | None = None) -> int:
+        messages = [{"role": "user", "content": list(content)}]
+        if result is not None:
+            messages = [{"role": "user", "content": "Look it up"},
+                        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "find", "input": {}}]},
+                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": result}]}]
+        return client.messages.count_tokens(model=MODEL_NAME, messages=messages).input_tokens
+
+    ask = {"type": "text", "text": "Summarize."}
+    document = {"type": "document", "title": "notes.txt", "citations": {"enabled": False},
+                "source": {"type": "text", "media_type": "text/plain", "data": "The sea is wide."}}
+    assert count(document, ask) == count({"type": "text", "text": "notes.txt\nThe sea is wide."}, ask)
+    blocks = {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "The sea is wide."}]}}
+    assert count(blocks, ask) == count({"type": "text", "text": "The sea is wide."}, ask)
+    pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}
+    assert count(pdf, ask) > count(ask)
+    found = {"type": "search_result", "source": "https://example.com/sea", "title": "The sea",
+             "content": [{"type": "text", "text": "It is wide."}]}
+    assert count(result=[found]) == count(result=[{"type": "text", "text": "The sea (https://example.com/sea)\nIt is wide."}])
+    answer = client.messages.create(model=MODEL_NAME, max_tokens=4, messages=[{"role": "user", "content": [pdf, ask]}])
+    assert answer.content[0].type == "text"
+
+
 ANTHROPIC_BAD = [
     ({"max_tokens": 8, "messages": MESSAGES}, 400),  # no model
     ({"model": MODEL_NAME, "messages": MESSAGES}, 400),  # no max_tokens
