@@ -298,6 +298,8 @@ class ResponseOutput:
             self._items.append(OutputMessage(_new_id("msg"), "completed", [OutputTextPart(choice.text)]))
         self._items += [self._call(c) for c in choice.tool_calls]
         self._finish = choice.finish_reason
+        if self._finish == "length" and isinstance(self._items[-1], ReasoningOut | OutputMessage):
+            self._items[-1].status = "incomplete"  # cut short
         return self._finished(group, None)
 
     def _reasoning(self, text: str, status: str = "completed") -> ReasoningOut:
@@ -312,8 +314,8 @@ class ResponseOutput:
     # ---- the event sequence ----
 
     def _event(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self._sequence, **fields}  # from 0, as OpenAI numbers them
         self._sequence += 1
-        payload = {"type": kind, "sequence_number": self._sequence, **fields}
         return sse_event(payload, kind)
 
     def opening(self, group: RequestGroup) -> list[bytes]:
@@ -373,13 +375,14 @@ class ResponseOutput:
                                    summary_index=0, part=msgspec.to_builtins(item.part)))
         return out
 
-    def _close_item(self) -> list[bytes]:
+    def _close_item(self, status: str = "completed") -> list[bytes]:
+        """status: "incomplete" for the last item of a response cut short."""
         item = self._open
         if item is None:
             return []
         self._open = None
         index = len(self._items)
-        item.status = "completed"
+        item.status = status
         if isinstance(item, OutputMessage):
             (part,) = item.content
             out = [self._event("response.output_text.done", item_id=item.id, output_index=index, content_index=0,
@@ -402,7 +405,7 @@ class ResponseOutput:
         out = []
         if error is None and not self._items and not isinstance(self._open, OutputMessage):
             out += self._open_item(OutputMessage(_new_id("msg"), "in_progress", []))  # an empty answer
-        out += self._close_item()
+        out += self._close_item("incomplete" if error is not None or self._finish == "length" else "completed")
         response = self._finished(group, error)
         kind = {"failed": "response.failed", "incomplete": "response.incomplete"}.get(response.status,
                                                                                       "response.completed")
