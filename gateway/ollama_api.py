@@ -133,8 +133,14 @@ def thinking(think: bool | str | None) -> dict | None:
 
 
 def chat_input(messages: list[Message], think: bool | str | None, param: str = "messages") -> ChatInput:
-    """The messages as chat templates take them, and their images in order."""
+    """The messages as chat templates take them, and their images in order.
+
+    Ollama's messages carry no call ids; templates that pair a tool's result
+    with its call by id (Kimi's, Mistral's: nine letters or digits) get ids
+    made from the call's place, and each `tool` message the id of its turn's
+    next call (of its `tool_name`, when it names one)."""
     out, images = [], []
+    unanswered: list[dict] = []  # the calls of the latest assistant message not answered yet
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise APIError(400, f"{param}[{i}].role must be one of {', '.join(ROLES)}", param=f"{param}[{i}].role")
@@ -142,9 +148,16 @@ def chat_input(messages: list[Message], think: bool | str | None, param: str = "
         if m.images:
             images += [ImageSource(f"{param}[{i}].images[{j}]", data=image) for j, image in enumerate(m.images)]
             content = [{"type": "image"} for _ in m.images] + [{"type": "text", "text": m.content}]
-        calls = [template_tool_call(f"call_{i}_{k}", c.function.name, c.function.arguments)
+        calls = [template_tool_call(f"c{i:05d}{k:03d}", c.function.name, c.function.arguments)
                  for k, c in enumerate(m.tool_calls or [])]
+        if calls:
+            unanswered = list(calls)
         extra = {"name": m.tool_name} if m.tool_name else {}
+        if m.role == "tool":
+            answered = next((c for c in unanswered if m.tool_name in (None, "", c["function"]["name"])), None)
+            if answered is not None:
+                unanswered.remove(answered)
+                extra["tool_call_id"] = answered["id"]
         if m.thinking:
             extra["reasoning_content"] = m.thinking
         out.append(template_message(m.role, content, calls, **extra))
@@ -206,8 +219,8 @@ class _Output(abc.ABC):
         first = group.first_token_at or now
         return msgspec.structs.replace(
             self.piece(text, reasoning, calls, True), done_reason="length" if self._length else "stop",
-            total_duration=nanoseconds(now - self._arrived), load_duration=0,
-            prompt_eval_count=group.prompt_tokens, prompt_eval_duration=nanoseconds(first - self._arrived),
+            total_duration=nanoseconds(now - self._arrived), load_duration=nanoseconds(group.ready_at - self._arrived),
+            prompt_eval_count=group.prompt_tokens, prompt_eval_duration=nanoseconds(first - group.ready_at),
             eval_count=group.completion_tokens, eval_duration=nanoseconds(now - first))
 
     @abc.abstractmethod
@@ -315,7 +328,8 @@ class OllamaAPI:
             unloads_in = (pooled.idle_until - time.monotonic()) if pooled is not None and not pooled.users else math.inf
             entry = self._entry(name)
             entry.expires_at = timestamp(now + unloads_in) if math.isfinite(unloads_in) else "9999-12-31T23:59:59Z"
-            entry.size_vram = charge.total if charge is not None else entry.size
+            # All of it in the GPU's (unified) memory: `ollama ps` shows "100% GPU" when the two agree.
+            entry.size = entry.size_vram = charge.total if charge is not None else entry.size
             loaded.append(entry)
         return MsgspecResponse({"models": loaded})
 

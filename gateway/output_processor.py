@@ -244,6 +244,8 @@ class RequestGroup:
         """`queue`: the one every request of the group delivers to."""
         self.states = states
         self.queue = queue
+        # time.monotonic() once its model was ready and its prompt made (Ollama's load time ends there).
+        self.ready_at = time.monotonic()
 
     @property
     def prompt_tokens(self) -> int:

@@ -94,7 +94,7 @@ def test_tags_ps_show_and_version(client, server):
     assert listed[0].size > 0 and listed[0].details.format == "safetensors" and listed[0].details.family == "llama"
     running_models = client.ps().models
     assert [m.model for m in running_models] == [MODEL_NAME + ":latest"]
-    assert running_models[0].size_vram > 0 and running_models[0].context_length == 2048
+    assert running_models[0].size_vram == running_models[0].size > 0 and running_models[0].context_length == 2048
     shown = client.show(MODEL_NAME)
     assert "completion" in shown.capabilities and "<|im_start|>" in shown.template
     assert shown.modelinfo["llama.context_length"] == 2048
@@ -117,6 +117,12 @@ def test_load_and_unload_with_an_empty_request(tiny_model, tmp_path):
         assert client.generate(model=MODEL_NAME, keep_alive=0).done_reason == "unload"
         assert client.ps().models == []
         assert client.chat(model=MODEL_NAME, messages=[]).done_reason == "load"
+        assert client.generate(model=MODEL_NAME, keep_alive=0).done_reason == "unload"
+        # A request that loads its model: the load is load_duration, not prompt evaluation.
+        answer = client.chat(model=MODEL_NAME, messages=MESSAGES, options=GREEDY)
+        assert answer.load_duration > 10 * answer.prompt_eval_duration > 0
+        again = client.chat(model=MODEL_NAME, messages=MESSAGES, options=GREEDY)
+        assert again.load_duration < answer.load_duration / 10
     finally:
         srv.stop()
 
