@@ -96,11 +96,25 @@ class ResponseStore:
 
     def get(self, client_id: str, response_id: str) -> StoredResponse | None:
         """The response, if this client stored it and it has not expired."""
+        self._expire()
+        stored = self._responses.get(response_id)
+        return stored if stored is not None and stored.client_id == client_id else None
+
+    def item(self, client_id: str, item_id: str) -> dict | None:
+        """An output item (message, function call, reasoning) of a response this
+        client stored, as an input item gives it: what an item_reference names."""
+        self._expire()
+        for stored in reversed(self._responses.values()):
+            if stored.client_id == client_id:
+                for item in stored.response.output:
+                    if item.id == item_id:
+                        return msgspec.to_builtins(item)
+        return None
+
+    def _expire(self) -> None:
         expired = time.monotonic() - self.max_age_s
         while self._responses and next(iter(self._responses.values())).stored_at < expired:
             self._responses.popitem(last=False)
-        stored = self._responses.get(response_id)
-        return stored if stored is not None and stored.client_id == client_id else None
 
     def delete(self, client_id: str, response_id: str) -> bool:
         if self.get(client_id, response_id) is None:
@@ -109,12 +123,20 @@ class ResponseStore:
         return True
 
 
-def input_items(body: CreateResponse) -> list[Any]:
+def input_items(body: CreateResponse, stored_item: Callable[[str], dict | None]) -> list[Any]:
+    """The body's input items; an item_reference is the stored output item it names (`stored_item`)."""
     if isinstance(body.input, str):
         return [MessageItem("user", body.input)]
     items = []
     for i, raw in enumerate(body.input):
         item_type = raw.get("type", "message")
+        if item_type == "item_reference":
+            item_id = raw.get("id")
+            found = stored_item(item_id) if isinstance(item_id, str) else None
+            if found is None:
+                raise APIError(404, f"no stored item {item_id!r} (an item_reference names an output item of a "
+                                    "response stored here)", type="not_found_error", param=f"input[{i}].id")
+            raw, item_type = found, found["type"]
         kind = ITEM_TYPES.get(item_type) if isinstance(item_type, str) else None
         if kind is None:
             raise APIError(400, f"input items of type {item_type!r} are not supported", param=f"input[{i}].type")
@@ -158,9 +180,10 @@ def function_tools(body: CreateResponse) -> list[dict]:
             for i, tool in enumerate(body.tools or []) if tool.get("type") == "function"]
 
 
-def responses_plan(body: CreateResponse, previous: StoredResponse | None, offered: list[dict]) -> Plan:
-    """offered: the body's function tools (function_tools)."""
-    messages, images = conversation(input_items(body))
+def responses_plan(body: CreateResponse, previous: StoredResponse | None, offered: list[dict],
+                   stored_item: Callable[[str], dict | None]) -> Plan:
+    """offered: the body's function tools (function_tools); stored_item: see input_items."""
+    messages, images = conversation(input_items(body, stored_item))
     if previous is not None:
         messages, images = previous.messages + messages, previous.images + images
     if body.instructions:
@@ -206,7 +229,7 @@ class ResponsesAPI:
                 raise APIError(404, f"no stored response {body.previous_response_id!r}", type="not_found_error",
                                param="previous_response_id", code="previous_response_not_found")
         tools = function_tools(body)
-        plan = responses_plan(body, previous, tools)
+        plan = responses_plan(body, previous, tools, lambda item_id: self.store.item(client_id, item_id))
         assert isinstance(plan.prompt, ChatInput)
         conversation_so_far = (plan.prompt.messages[1:] if body.instructions else plan.prompt.messages,
                                plan.prompt.images)

@@ -74,6 +74,21 @@ def test_previous_response_id_continues_the_conversation(client, reference):
         client.responses.retrieve(second.id)
 
 
+def test_an_item_reference_is_the_stored_item_it_names(client, reference):
+    """As the Vercel AI SDK (opencode, with OpenAI's provider) sends earlier turns when responses are stored."""
+    first = client.responses.create(model=MODEL_NAME, input="Hello there", temperature=0, max_output_tokens=6)
+    (message,) = first.output
+    second = client.responses.create(model=MODEL_NAME, temperature=0, max_output_tokens=6, input=[
+        {"role": "user", "content": "Hello there"}, {"type": "item_reference", "id": message.id},
+        {"role": "user", "content": "And now?"}])
+    messages = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "And now?"}]
+    assert second.output_text == reference.greedy(reference.chat_prompt(messages), 6).text
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model=MODEL_NAME, input=[{"type": "item_reference", "id": "msg_nowhere"}])
+    assert e.value.body["param"] == "input[0].id"
+
+
 def test_a_response_not_stored_cannot_be_continued(client):
     unstored = client.responses.create(model=MODEL_NAME, input="Hello", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError) as e:
