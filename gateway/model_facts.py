@@ -23,6 +23,8 @@ class ModelFacts:
     size: int = 0  # bytes of weights
     context_length: int | None = None
     modified: float | None = None  # its files' mtime
+    chat_template: str = ""  # its default chat template, from its files ("" for a GGUF file, or none)
+    vision: bool = False  # its config has a vision tower
 
     @property
     def parameter_size(self) -> str:
@@ -45,6 +47,8 @@ def model_facts(source: str) -> ModelFacts:
     facts.format = "gguf" if any(path.glob("*.gguf")) else "safetensors"
     config = _config(path)
     facts.family = str(config.get("model_type", ""))
+    facts.vision = isinstance(config.get("vision_config"), dict)
+    facts.chat_template = _chat_template(path)
     text: dict = config["text_config"] if isinstance(config.get("text_config"), dict) else {}
     context = config.get("max_position_embeddings") or text.get("max_position_embeddings")
     facts.context_length = context if isinstance(context, int) else None
@@ -56,6 +60,25 @@ def model_facts(source: str) -> ModelFacts:
         dtype = str(config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or "")
         facts.quantization, facts.bits_per_weight = DTYPES.get(dtype, ("", 0))
     return facts
+
+
+def _chat_template(directory: Path) -> str:
+    """The default chat template: tokenizer_config.json's (a text, or named
+    templates), else chat_template.jinja's."""
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+        template = config.get("chat_template") if isinstance(config, dict) else None
+    except (OSError, ValueError):
+        template = None
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    if isinstance(template, str):
+        return template
+    try:
+        return (directory / "chat_template.jinja").read_text()
+    except OSError:
+        return ""
 
 
 def _config(directory: Path) -> dict:

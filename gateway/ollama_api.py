@@ -45,7 +45,7 @@ from gateway.ollama_schema import (
 )
 from gateway.output_processor import Delta, RequestGroup
 from gateway.parsing import ToolCall as ParsedCall
-from gateway.parsing import arguments_object
+from gateway.parsing import arguments_object, detect_reasoning
 from gateway.plan import (
     ChatInput,
     Plan,
@@ -338,13 +338,15 @@ class OllamaAPI:
         name = self.serving.served_name(body.model or body.name, self.serving.model_names())
         entry = self._entry(name)
         worker = self.serving.link.worker_of(name)
-        capabilities = ["completion"]
-        template = ""
         if worker is not None:
-            template = worker.tokenizer.chat_template
-            capabilities += [c for c, has in (("tools", worker.tool_format is not None or "tools" in template),
-                                              ("thinking", worker.reasoning_markers is not None),
-                                              ("vision", worker.hello.vision)) if has]
+            template, tools = worker.tokenizer.chat_template, worker.tool_format is not None
+            thinking, vision = worker.reasoning_markers is not None, worker.hello.vision
+        else:  # not loaded: what its files say (apps ask before any load, to offer it for tools or images)
+            facts = self.serving.model_facts(name)
+            template, tools = facts.chat_template, False
+            thinking, vision = detect_reasoning(template, set()) is not None, facts.vision
+        capabilities = ["completion"] + [c for c, has in (("tools", tools or "tools" in template),
+                                                          ("thinking", thinking), ("vision", vision)) if has]
         family = entry.details.family
         info: dict = {"general.architecture": family}
         if (context := entry.context_length) is not None:

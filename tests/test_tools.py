@@ -287,3 +287,14 @@ def test_ollama_tool_calls_and_thinking(scripted):
     thinking = ollama.Client(host=scripted("reasoning").url).chat(model="scripted", messages=ASK, think=True,
                                                                     options={"temperature": 0})
     assert (thinking.message.content, thinking.message.thinking) == ("Paris.", "The user wants the capital.\n")
+
+
+def test_ollama_show_says_the_same_of_a_model_loaded_or_not(scripted):
+    """Apps ask /api/show before any load, to offer a model for tools, thinking or images."""
+    client = ollama.Client(host=scripted("reasoning").url)
+    loaded = client.show("scripted")
+    assert client.generate(model="scripted", keep_alive=0).done_reason == "unload"
+    assert client.ps().models == []
+    unloaded = client.show("scripted")
+    assert set(unloaded.capabilities) == set(loaded.capabilities) == {"completion", "tools", "thinking"}
+    assert unloaded.template == loaded.template != ""
