@@ -98,7 +98,10 @@ def chat_input(body: Conversation) -> ChatInput:
                 messages.append(template_message("tool", block.text(), tool_call_id=block.tool_use_id))
         if parts or tool_calls:
             messages.append(template_message(m.role, parts, tool_calls))
-    return ChatInput(messages, images, template_kwargs(body))
+    # A conversation that ends with the assistant's text is a prefill: the answer goes on from it.
+    prefill = (body.messages[-1].role == "assistant" and bool(messages) and messages[-1]["role"] == "assistant"
+               and "tool_calls" not in messages[-1])
+    return ChatInput(messages, images, template_kwargs(body), continue_final=prefill)
 
 
 def template_kwargs(body: Conversation) -> dict | None:

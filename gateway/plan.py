@@ -33,6 +33,9 @@ class ChatInput:
     messages: list[dict]
     images: list[ImageSource] = field(default_factory=list)
     template_kwargs: dict | None = None
+    # The last message is the start of the assistant's answer, which the model
+    # continues (Anthropic's prefill): no new turn is opened after it.
+    continue_final: bool = False
 
 
 class DocumentStart:

@@ -246,7 +246,7 @@ class Serving:
         # Images are processed in a thread, however small the body that named them.
         size = request.scope["state"]["body_bytes"] if decoded is None else math.inf
         return await tokenize(size, worker.tokenizer.chat_prompt, source.messages, plan.tools,
-                                   source.template_kwargs, decoded, param=plan.prompt_param)
+                              source.template_kwargs, decoded, source.continue_final, param=plan.prompt_param)
 
     async def respond(self, request: Request, plan: Plan, renderer: Renderer) -> Response:
         """Serve one API request: SSE events or one body, written by the renderer."""

@@ -148,7 +148,7 @@ class Tokenizer:
         return bool(self._tok.chat_template)
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None) -> str:
+                    template_kwargs: dict | None = None, continue_final: bool = False) -> str:
         """The prompt text: messages (and tools) through the model's chat template.
 
         A message's content is its text, or a list of parts ({"type": "text", "text": ...}, {"type": "image"}).
@@ -165,7 +165,8 @@ class Tokenizer:
         messages = [{**m, "content": _template_content(m["content"], vision)} for m in messages]
         try:
             text = self._tok.apply_chat_template(
-                messages, tools=template_tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+                messages, tools=template_tools, add_generation_prompt=not continue_final,
+                continue_final_message=continue_final, tokenize=False, **(template_kwargs or {})
             )
         except (TemplateError, TypeError, ValueError) as e:  # the last two: values of chat_template_kwargs it cannot use
             raise PromptError(f"the model's chat template rejected these messages: {e}") from None
@@ -173,11 +174,12 @@ class Tokenizer:
         return text
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None, images: list | None = None) -> Prompt:
+                    template_kwargs: dict | None = None, images: list | None = None,
+                    continue_final: bool = False) -> Prompt:
         """The rendered prompt and its token ids; with images (one per image
         part of the messages, in order), each image placeholder expanded to
         the image's tokens, and the arrays the vision model takes."""
-        text = self.render_chat(messages, tools, template_kwargs)
+        text = self.render_chat(messages, tools, template_kwargs, continue_final)
         if not images:
             # encode_batch_fast, not encode: it lets go of the GIL while it works (encode
             # holds it: an agent's 100k-token context would stop every stream for a tenth

@@ -158,6 +158,23 @@ def test_documents_and_search_results_reach_the_model_as_text(client):
     assert answer.content[0].type == "text"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_assistant_prefill_is_continued(client, reference, stream):
+    """A conversation that ends with the assistant's words: the answer goes on from them, in the same turn."""
+    messages = [{"role": "user", "content": "Tell me about the sea."}, {"role": "assistant", "content": "The sea"}]
+    prompt = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=False,
+                                                     continue_final_message=True)
+    expected = reference.greedy(prompt, 8)
+    if stream:
+        with client.messages.stream(model=MODEL_NAME, max_tokens=8, messages=messages, extra_body=GREEDY) as s:
+            text = s.get_final_text()
+    else:
+        text = client.messages.create(model=MODEL_NAME, max_tokens=8, messages=messages, extra_body=GREEDY
+                                      ).content[0].text
+    assert text == expected.text
+    assert client.messages.count_tokens(model=MODEL_NAME, messages=messages).input_tokens == len(prompt)
+
+
 ANTHROPIC_BAD = [
     ({"max_tokens": 8, "messages": MESSAGES}, 400),  # no model
     ({"model": MODEL_NAME, "messages": MESSAGES}, 400),  # no max_tokens
