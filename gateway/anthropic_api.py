@@ -230,11 +230,16 @@ class MessageOutput:
 
     def body(self, choices: list[Choice], group: RequestGroup) -> MessageOut:
         (choice,) = choices
-        calls = choice.tool_calls
-        content: list = [ThinkingOut(choice.reasoning)] if choice.reasoning and self._shows_thinking else []
-        content += [TextOut(choice.text)] if choice.text.strip() or not (calls or content) else []
-        content += [tool_use(c) for c in calls]
-        reason, sequence = stop_reason(choice.finish_reason, choice.stop_string, len(calls))
+        content: list = []  # in the order the stream sends its blocks
+        for kind, value in choice.parts:
+            if isinstance(value, ToolCall):
+                content.append(tool_use(value))
+            elif kind == "reasoning":
+                content += [ThinkingOut(value)] if self._shows_thinking else []
+            elif value.strip():  # whitespace alone is no block
+                content.append(TextOut(value))
+        content = content or [TextOut(choice.text)]
+        reason, sequence = stop_reason(choice.finish_reason, choice.stop_string, len(choice.tool_calls))
         return MessageOut(self.id, self.model, content, reason, sequence, usage(group))
 
 

@@ -315,11 +315,15 @@ class ResponseOutput:
 
     def body(self, choices: list[Choice], group: RequestGroup) -> ResponseObject:
         (choice,) = choices
-        if choice.reasoning:
-            self._items.append(self._reasoning(choice.reasoning))
-        if choice.text.strip() or not choice.tool_calls:
+        for kind, value in choice.parts:  # in the order the stream sends its items
+            if isinstance(value, ToolCall):
+                self._items.append(self._call(value))
+            elif kind == "reasoning":
+                self._items.append(self._reasoning(value))
+            elif value.strip():  # whitespace alone is no message
+                self._items.append(OutputMessage(_new_id("msg"), "completed", [OutputTextPart(value)]))
+        if not any(isinstance(item, OutputMessage | FunctionCallOut) for item in self._items):
             self._items.append(OutputMessage(_new_id("msg"), "completed", [OutputTextPart(choice.text)]))
-        self._items += [self._call(c) for c in choice.tool_calls]
         self._finish = choice.finish_reason
         if self._finish == "length" and isinstance(self._items[-1], ReasoningOut | OutputMessage):
             self._items[-1].status = "incomplete"  # cut short

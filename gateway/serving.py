@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -67,6 +67,17 @@ class Choice:
     finish_reason: str | None = None
     stop_string: str | None = None
     logprobs: list[TokenInfo] = field(default_factory=list)
+    # Its reasoning, text and calls in the order they came, text runs whole:
+    # for the APIs whose answer is a sequence of blocks (Anthropic's, Responses').
+    parts: list[tuple[str, str | ToolCall]] = field(default_factory=list)
+
+    def add_part(self, kind: str, value: str | ToolCall) -> None:
+        """kind: "reasoning", "text" or "call"."""
+        if self.parts and kind != "call" and self.parts[-1][0] == kind:
+            value = cast(str, self.parts[-1][1]) + cast(str, value)
+            self.parts[-1] = (kind, value)
+        else:
+            self.parts.append((kind, value))
 
 
 class Renderer(Protocol):
@@ -443,6 +454,11 @@ async def _collect(deltas: AsyncGenerator[Delta], n: int) -> list[Choice]:
             choice.text += delta.text
             choice.reasoning += delta.reasoning
             choice.tool_calls += delta.tool_calls
+            for kind, value in (("reasoning", delta.reasoning), ("text", delta.text)):
+                if value:
+                    choice.add_part(kind, value)
+            for call in delta.tool_calls:
+                choice.add_part("call", call)
             choice.logprobs += delta.logprobs
             if delta.finish_reason is not None:
                 choice.finish_reason, choice.stop_string = delta.finish_reason, delta.stop_string

@@ -16,6 +16,7 @@ from tests.test_anthropic import assert_event_grammar
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+RESPONSES_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]
 ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Weather in a city",
                     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -33,6 +34,8 @@ HARMONY = {
 
 SCRIPTS = {
     "hermes": ("<tool_call>", ["Let me check.", "<tool_call>", "\n" + json.dumps(CALL) + "\n", "</tool_call>"]),
+    "hermes-between": ("<tool_call>", ["Let me check.", "<tool_call>", "\n" + json.dumps(CALL) + "\n", "</tool_call>",
+                                       " It is on its way."]),
     "hermes-two": ("<tool_call>", ["<tool_call>", json.dumps(CALL), "</tool_call>", "\n<tool_call>",
                                    json.dumps({"name": "get_time", "arguments": {"zone": "CET"}}), " </tool_call>"]),
     "mistral": ("[TOOL_CALLS]", ["[TOOL_CALLS]", json.dumps([CALL])]),
@@ -219,6 +222,24 @@ def test_anthropic_tool_use(scripted):
                                       "content": "18 degrees"}]},
     ])
     assert follow_up.usage.input_tokens > message.usage.input_tokens + 5
+
+
+def test_blocks_come_in_their_order_whole_or_streamed(scripted):
+    """Text, a call, more text: Anthropic's content blocks and Responses' output items, as the stream sends them."""
+    server = scripted("hermes-between")
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    message = client.messages.create(model="scripted", max_tokens=32, messages=ASK, tools=ANTHROPIC_TOOLS)
+    with client.messages.stream(model="scripted", max_tokens=32, messages=ASK, tools=ANTHROPIC_TOOLS) as stream:
+        final = stream.get_final_message()
+    blocks = [(b.type, getattr(b, "text", None)) for b in message.content]
+    assert blocks == [("text", "Let me check."), ("tool_use", None), ("text", " It is on its way.")]
+    assert [(b.type, getattr(b, "text", None)) for b in final.content] == blocks
+    responses = openai_client(server).responses
+    whole = responses.create(model="scripted", input="Weather in Paris?", tools=RESPONSES_TOOLS, temperature=0)
+    assert [item.type for item in whole.output] == ["message", "function_call", "message"]
+    streamed = [e for e in responses.create(model="scripted", input="Weather in Paris?", tools=RESPONSES_TOOLS,
+                                            temperature=0, stream=True) if e.type == "response.completed"]
+    assert [item.type for item in streamed[0].response.output] == ["message", "function_call", "message"]
 
 
 def test_anthropic_thinking_blocks(scripted):
