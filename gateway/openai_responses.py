@@ -129,7 +129,8 @@ def input_items(body: CreateResponse, stored_item: Callable[[str], dict | None])
         return [MessageItem("user", body.input)]
     items = []
     for i, raw in enumerate(body.input):
-        item_type = raw.get("type", "message")
+        # An item_reference may leave out its type too: an id alone, without a role.
+        item_type = raw.get("type", "item_reference" if "role" not in raw and "id" in raw else "message")
         if item_type == "item_reference":
             item_id = raw.get("id")
             found = stored_item(item_id) if isinstance(item_id, str) else None

@@ -240,12 +240,12 @@ def _plain(delta: Delta) -> bool:
 class RequestGroup:
     """The requests of one API request (n > 1 samples n of them), read as one."""
 
-    def __init__(self, states: list[RequestState], queue: asyncio.Queue[Delta]) -> None:
-        """`queue`: the one every request of the group delivers to."""
+    def __init__(self, states: list[RequestState], queue: asyncio.Queue[Delta], ready_at: float) -> None:
+        """`queue`: the one every request of the group delivers to; `ready_at`:
+        time.monotonic() once a worker of its model was ready (Ollama's load time ends there)."""
         self.states = states
         self.queue = queue
-        # time.monotonic() once its model was ready and its prompt made (Ollama's load time ends there).
-        self.ready_at = time.monotonic()
+        self.ready_at = ready_at
 
     @property
     def prompt_tokens(self) -> int:

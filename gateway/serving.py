@@ -222,8 +222,9 @@ class Serving:
             raise APIError(
                 400,
                 # Anthropic's words first: clients (Claude Code) read them to compact the conversation.
-                f"prompt is too long: {len(prompt)} tokens > {context - 1} maximum (this model's maximum context "
-                f"length is {context} tokens, one at least left to generate)",
+                # And OpenAI's, which other clients (LiteLLM) match exactly.
+                f"prompt is too long: {len(prompt)} tokens > {context - 1} maximum. This model's maximum context "
+                f"length is {context} tokens, one at least left to generate.",
                 param=prompt_param,
                 code="context_length_exceeded",
             )
@@ -262,10 +263,11 @@ class Serving:
     async def respond(self, request: Request, plan: Plan, renderer: Renderer) -> Response:
         """Serve one API request: SSE events or one body, written by the renderer."""
         lease, worker = await self.lease(plan.model, plan.keep_alive_s)
+        ready_at = time.monotonic()
         streaming = False  # once a stream is open, its generate releases the lease when it ends
         try:
             prompt = await self.prompt(request, worker, plan)
-            group = self._group(worker, plan, prompt, renderer.id)
+            group = self._group(worker, plan, prompt, renderer.id, ready_at)
             deltas = self.generate(request, plan, group, renderer.id, worker, lease)
             if plan.stream:
                 # Admitted, reserved and submitted before any 200: a refusal is still a 4xx/5xx.
@@ -284,7 +286,8 @@ class Serving:
         self._log_completion(renderer.id, [c.text for c in choices])
         return MsgspecResponse(renderer.body(choices, group))
 
-    def _group(self, worker: WorkerState, plan: Plan, prompt: Prompt, request_id: str) -> RequestGroup:
+    def _group(self, worker: WorkerState, plan: Plan, prompt: Prompt, request_id: str,
+               ready_at: float) -> RequestGroup:
         """One RequestState per choice, with its sampling, stop strings and parsers."""
         max_tokens = self.max_tokens(prompt.token_ids, plan.max_tokens, worker, plan.prompt_param,
                                      plan.max_tokens_param)
@@ -302,7 +305,7 @@ class Serving:
                                        parsers() if parsers else None, images=(prompt.tensors, prompt.arrays)))
         if self.settings.log_prompts:
             log.info("%s prompt: %r", request_id, worker.tokenizer.decode(prompt.token_ids))
-        return RequestGroup(states, queue)
+        return RequestGroup(states, queue, ready_at)
 
     async def generate(self, request: Request, plan: Plan, group: RequestGroup, request_id: str,
                        worker: WorkerState, lease: Lease) -> AsyncGenerator[Delta]:

@@ -163,13 +163,19 @@ class Tokenizer:
         template_tools: list[dict[str, Any] | Callable[..., Any]] | None = list(tools) if tools else None
         vision = self.processor is not None
         messages = [{**m, "content": _template_content(m["content"], vision)} for m in messages]
-        try:
-            text = self._tok.apply_chat_template(
-                messages, tools=template_tools, add_generation_prompt=not continue_final,
-                continue_final_message=continue_final, tokenize=False, **(template_kwargs or {})
-            )
-        except (TemplateError, TypeError, ValueError) as e:  # the last two: values of chat_template_kwargs it cannot use
-            raise PromptError(f"the model's chat template rejected these messages: {e}") from None
+        # A template that rewrites the last message's text cannot continue it (transformers
+        # finds it no more): the answer then opens a turn of its own, as without a prefill.
+        for continuing in dict.fromkeys((continue_final, False)):
+            try:
+                text = self._tok.apply_chat_template(
+                    messages, tools=template_tools, add_generation_prompt=not continuing,
+                    continue_final_message=continuing, tokenize=False, **(template_kwargs or {})
+                )
+                break
+            except (TemplateError, TypeError, ValueError) as e:  # the last two: chat_template_kwargs it cannot use
+                error = e
+        else:
+            raise PromptError(f"the model's chat template rejected these messages: {error}") from None
         assert isinstance(text, str)  # tokenize=False
         return text
 

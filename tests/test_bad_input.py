@@ -99,7 +99,7 @@ def test_bad_input_gets_its_4xx(server, path, body, status, param, stream):
 def test_context_length_error_code(server):
     response = server.http.post(COMPLETIONS, json={"model": MODEL_NAME, "prompt": [5] * 2100})
     error = assert_openai_error(response, 400, "prompt")
-    assert error["code"] == "context_length_exceeded" and "maximum context length is 2048 tokens" in error["message"]
+    assert error["code"] == "context_length_exceeded" and "This model's maximum context length is 2048 tokens" in error["message"]
     # In Anthropic's words, which Claude Code reads to compact its conversation.
     anthropic = server.http.post("/v1/messages", json={"model": MODEL_NAME, "max_tokens": 8,
                                                        "messages": [{"role": "user", "content": "sea " * 2100}]})

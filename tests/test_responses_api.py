@@ -79,7 +79,7 @@ def test_an_item_reference_is_the_stored_item_it_names(client, reference):
     first = client.responses.create(model=MODEL_NAME, input="Hello there", temperature=0, max_output_tokens=6)
     (message,) = first.output
     second = client.responses.create(model=MODEL_NAME, temperature=0, max_output_tokens=6, input=[
-        {"role": "user", "content": "Hello there"}, {"type": "item_reference", "id": message.id},
+        {"role": "user", "content": "Hello there"}, {"id": message.id},  # its type may be left out
         {"role": "user", "content": "And now?"}])
     messages = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": first.output_text},
                 {"role": "user", "content": "And now?"}]

@@ -25,9 +25,10 @@ import logging
 import math
 import os
 import random
+import statistics
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -60,7 +61,6 @@ from worker.engine import Engine, InvalidRequest
 from worker.footprint import memory_stats
 from worker.heartbeat import HeartbeatThread
 from worker.transport import connect
-from worker.vision import token_seconds
 
 log = logging.getLogger("mlxd.worker")
 
@@ -80,16 +80,32 @@ class EmbeddingJob:
     vectors: np.ndarray | None = None  # a row per input, filled as pieces are done
     embedded: int = 0  # inputs done
 
-    def next_piece(self, tokens: int) -> Embed:
-        """The next inputs, as many as fit in `tokens` (one at least: an input
-        is never split, so one of a whole context is a piece of its own)."""
+    def next_piece(self, cost: Callable[[int], float], budget: float) -> Embed:
+        """The next inputs, as many as `budget` holds at `cost` (of an input of
+        n tokens), one at least: an input is never split, so one of a whole
+        context is a piece of its own."""
         inputs = self.request.inputs
         end = self.embedded + 1
-        total = len(inputs[self.embedded])
-        while end < len(inputs) and total + len(inputs[end]) <= tokens:
-            total += len(inputs[end])
+        spent = cost(len(inputs[self.embedded]))
+        while end < len(inputs) and spent + cost(len(inputs[end])) <= budget:
+            spent += cost(len(inputs[end]))
             end += 1
         return Embed(self.request.request_id, inputs[self.embedded:end])
+
+
+def input_seconds(timed: Sequence[tuple[int, float]]) -> Callable[[int], float]:
+    """What embedding an input of n tokens takes, from the latest inputs' tokens
+    and seconds: a forward pass's own cost (on a GPU, about a decode step's,
+    whatever its length) and its cost per token, fitted; unbounded while none
+    is timed (a piece then holds one input)."""
+    if not timed:
+        return lambda n: math.inf
+    sizes, seconds = zip(*timed)
+    if len(set(sizes)) < 2:
+        return lambda n: seconds[-1] * n / sizes[-1]
+    slope, intercept = statistics.linear_regression(sizes, seconds)
+    slope, intercept = max(slope, 0.0), max(intercept, 0.0)
+    return lambda n: intercept + slope * n
 
 
 class EngineRunner:
@@ -102,7 +118,7 @@ class EngineRunner:
         self.channel = channel  # None: a worker of one process
         self.checksum = 0  # of the tokens the last step drew, in a group
         self.pieces = 0  # embedding pieces done: progress, as steps are
-        self.embed_timed: deque[tuple[int, float]] = deque(maxlen=8)  # the latest pieces' tokens and seconds
+        self.embed_timed: deque[tuple[int, float]] = deque(maxlen=16)  # the latest inputs' tokens and seconds
 
     def send(self, message) -> None:
         """A rank other than 0 has no one to tell: rank 0 tells the gateway the same."""
@@ -125,11 +141,13 @@ class EngineRunner:
     def _embed(self, piece: Embed) -> np.ndarray | Exception:
         """Between steps: the running requests wait for it, as for a prefill chunk."""
         assert self.embedder is not None  # rank 0 refuses embeddings a model cannot make
-        started = time.perf_counter()
         try:
-            vectors = self.embedder(piece.inputs)
-            self.embed_timed.append((sum(map(len, piece.inputs)), time.perf_counter() - started))
-            return vectors
+            rows = []
+            for token_ids in piece.inputs:  # each timed: what sizes the next pieces
+                started = time.perf_counter()
+                rows.append(self.embedder([token_ids]))
+                self.embed_timed.append((len(token_ids), time.perf_counter() - started))
+            return np.concatenate(rows)
         except Exception as e:  # a failed embedding must not take the running requests' worker down
             if self.channel is not None:
                 raise  # but a group's ranks would part ways inside the model's collectives, as for a step
@@ -245,20 +263,20 @@ class Worker(EngineRunner):
                 case Refused(reason=reason):
                     raise GatewayRefused(reason)
         if self._embedding:
-            step.embeds.append(self._embedding[0].next_piece(self._piece_tokens()))
+            step.embeds.append(self._next_piece())
         if self.channel is not None:
             self.channel.share(step)
         self.apply(step, buffers)
 
-    def _piece_tokens(self) -> int:
-        """Tokens of inputs in the next embedding piece: what the step's budget
-        for side work holds at the latest pieces' pace (a prefill chunk at
-        most; one input at least, and while none is timed)."""
+    def _next_piece(self) -> Embed:
+        """The oldest embeddings request's next inputs: what the step's budget
+        for side work holds at the latest inputs' pace, or with nothing
+        decoding, inputs worth a prefill chunk of tokens."""
+        job = self._embedding[0]
         budget = self.engine.side_work_budget()
         if budget == math.inf:
-            return self.settings.prefill_chunk
-        seconds = token_seconds(self.embed_timed)
-        return 0 if seconds is None else min(int(budget / seconds), self.settings.prefill_chunk)
+            return job.next_piece(float, self.settings.prefill_chunk)
+        return job.next_piece(input_seconds(self.embed_timed), budget)
 
     def embedded(self, piece: Embed, result: np.ndarray | Exception) -> None:
         job = self._embedding[0]  # the piece is the oldest job's, taken this turn

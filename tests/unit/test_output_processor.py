@@ -1,4 +1,5 @@
 import asyncio
+import time
 
 import pytest
 
@@ -87,7 +88,7 @@ def test_fail_delivers_an_error_once(tokenizer):
 def group_of(tokenizer: Tokenizer, n: int) -> RequestGroup:
     queue: asyncio.Queue[Delta] = asyncio.Queue()
     return RequestGroup([RequestState(f"r{i}", queue, [1, 2], Sampling(max_tokens=9), tokenizer, [], i)
-                         for i in range(n)], queue)
+                         for i in range(n)], queue, time.monotonic())
 
 
 async def read(group: RequestGroup, deadline: float | None = None) -> list[Delta]:
