@@ -295,7 +295,8 @@ class RequestGroup:
                     raise TimeoutError
                 while _plain(delta) and not self.queue.empty():
                     waiting = self.queue.get_nowait()
-                    if waiting.index != delta.index or not _plain(waiting):
+                    # Reasoning after text stays apart: merged, it would read as coming first.
+                    if waiting.index != delta.index or not _plain(waiting) or delta.text and waiting.reasoning:
                         backlog.append(waiting)
                         break
                     delta.text += waiting.text

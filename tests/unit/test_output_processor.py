@@ -105,6 +105,15 @@ def test_a_group_merges_piled_up_text_and_ends_when_every_choice_has(tokenizer):
         (0, "ab", None), (1, "x", None), (0, "c", "stop"), (1, "y", "length")]
 
 
+def test_piled_up_reasoning_after_text_is_not_merged_before_it(tokenizer):
+    group = group_of(tokenizer, 1)
+    for delta in (Delta("", 0, reasoning="think "), Delta("answer", 0), Delta("", 0, reasoning="again"),
+                  Delta("end", 0, finish_reason="stop")):
+        group.queue.put_nowait(delta)
+    deltas = asyncio.run(read(group))
+    assert [(d.reasoning, d.text) for d in deltas] == [("think ", "answer"), ("again", ""), ("", "end")]
+
+
 def test_nothing_of_a_choice_comes_after_its_final_delta(tokenizer):
     group = group_of(tokenizer, 2)
     group.queue.put_nowait(Delta("", 0, finish_reason="stop"))
