@@ -64,7 +64,8 @@ def model_facts(source: str) -> ModelFacts:
 
 def _chat_template(directory: Path) -> str:
     """The default chat template: tokenizer_config.json's (a text, or named
-    templates), else chat_template.jinja's."""
+    templates), else chat_template.jinja's, else chat_template.json's (vision
+    models' processors keep it there)."""
     try:
         config = json.loads((directory / "tokenizer_config.json").read_text())
         template = config.get("chat_template") if isinstance(config, dict) else None
@@ -78,7 +79,12 @@ def _chat_template(directory: Path) -> str:
     try:
         return (directory / "chat_template.jinja").read_text()
     except OSError:
+        pass
+    try:
+        template = json.loads((directory / "chat_template.json").read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
         return ""
+    return template if isinstance(template, str) else ""
 
 
 def _config(directory: Path) -> dict:
