@@ -45,7 +45,7 @@ def model_facts(source: str) -> ModelFacts:
         facts.format = "gguf" if path.suffix == ".gguf" else ""
         return facts
     facts.format = "gguf" if any(path.glob("*.gguf")) else "safetensors"
-    config = _config(path)
+    config = _json(path, "config.json")
     facts.family = str(config.get("model_type", ""))
     facts.vision = isinstance(config.get("vision_config"), dict)
     facts.chat_template = _chat_template(path)
@@ -66,11 +66,7 @@ def _chat_template(directory: Path) -> str:
     """The default chat template: tokenizer_config.json's (a text, or named
     templates), else chat_template.jinja's, else chat_template.json's (vision
     models' processors keep it there)."""
-    try:
-        config = json.loads((directory / "tokenizer_config.json").read_text())
-        template = config.get("chat_template") if isinstance(config, dict) else None
-    except (OSError, ValueError):
-        template = None
+    template = _json(directory, "tokenizer_config.json").get("chat_template")
     if isinstance(template, list):
         template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
                         None)
@@ -79,17 +75,14 @@ def _chat_template(directory: Path) -> str:
     try:
         return (directory / "chat_template.jinja").read_text()
     except OSError:
-        pass
-    try:
-        template = json.loads((directory / "chat_template.json").read_text()).get("chat_template")
-    except (OSError, ValueError, AttributeError):
-        return ""
-    return template if isinstance(template, str) else ""
+        template = _json(directory, "chat_template.json").get("chat_template")
+        return template if isinstance(template, str) else ""
 
 
-def _config(directory: Path) -> dict:
+def _json(directory: Path, name: str) -> dict:
+    """A JSON object file of the model's; {} when it is missing, unreadable or not an object."""
     try:
-        config = json.loads((directory / "config.json").read_text())
+        content = json.loads((directory / name).read_text())
     except (OSError, ValueError):
         return {}
-    return config if isinstance(config, dict) else {}
+    return content if isinstance(content, dict) else {}

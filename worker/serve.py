@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import random
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -61,6 +60,7 @@ from worker.engine import Engine, InvalidRequest
 from worker.footprint import memory_stats
 from worker.heartbeat import HeartbeatThread
 from worker.transport import connect
+from worker.vision import fitted_cost
 
 log = logging.getLogger("mlxd.worker")
 
@@ -98,14 +98,11 @@ def input_seconds(timed: Sequence[tuple[int, float]]) -> Callable[[int], float]:
     and seconds: a forward pass's own cost (on a GPU, about a decode step's,
     whatever its length) and its cost per token, fitted; unbounded while none
     is timed (a piece then holds one input)."""
-    if not timed:
+    cost = fitted_cost(timed)
+    if cost is None:
         return lambda n: math.inf
-    sizes, seconds = zip(*timed)
-    if len(set(sizes)) < 2:
-        return lambda n: seconds[-1] * n / sizes[-1]
-    slope, intercept = statistics.linear_regression(sizes, seconds)
-    slope, intercept = max(slope, 0.0), max(intercept, 0.0)
-    return lambda n: intercept + slope * n
+    fixed, per_token = cost
+    return lambda n: fixed + per_token * n
 
 
 class EngineRunner:

@@ -328,9 +328,18 @@ def token_seconds(timed: Sequence[tuple[int, float]]) -> float | None:
     chunk's whole time by its tokens, right where compute dominates (a CPU),
     would cut a GPU's prefill into many small chunks that each cost a decode
     step."""
+    cost = fitted_cost(timed)
+    return None if cost is None else cost[1]
+
+
+def fitted_cost(timed: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
+    """Work timed as (tokens, seconds), fitted as (seconds whatever the tokens,
+    seconds a token): a line through the latest times, or with one size timed
+    its time a token alone; None while nothing is timed."""
     if not timed:
         return None
     sizes, times = zip(*timed)
     if len(set(sizes)) < 2:
-        return times[-1] / sizes[-1]
-    return max(statistics.linear_regression(sizes, times).slope, 1e-9)
+        return 0.0, times[-1] / sizes[-1]
+    slope, intercept = statistics.linear_regression(sizes, times)
+    return max(intercept, 0.0), max(slope, 1e-9)
