@@ -68,12 +68,13 @@ def test_a_stop_goes_on_when_the_request_that_asked_for_it_is_cancelled(tmp_path
             reserving = asyncio.create_task(lease.reserve(200))  # does not fit beside a: a is unloaded
             await asyncio.sleep(0.1)
             assert a.stopping and not reserving.done()
+            stop = a.stop_task
             reserving.cancel()
             await asyncio.gather(reserving, return_exceptions=True)
             assert lease.reserved == 200 and b.charge.kv_reserved == 200  # given back with the lease
             assert pool.used == 2 * WEIGHTS + 200  # a's memory counts until its worker has exited
             assert await asyncio.wait_for(a_worker.wait(), 5) == -signal.SIGKILL  # killed past stop_timeout_s
-            await asyncio.sleep(0)
+            await stop  # the stop's own end: the supervisor has seen the exit
             assert not a.holds_memory and pool.used == WEIGHTS + 200
             lease.release()
             assert b.charge.kv_reserved == 0
