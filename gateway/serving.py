@@ -61,23 +61,38 @@ def unavailable(message: str, code: str = "worker_unavailable") -> APIError:
 class Choice:
     """One choice of a finished non-streaming request."""
 
-    text: str = ""
-    reasoning: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
+    # Its reasoning, text and calls in the order they came, runs of text whole:
+    # the APIs whose answer is a sequence of blocks (Anthropic's, Responses') read them so.
+    parts: list[tuple[str, str | ToolCall]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_string: str | None = None
     logprobs: list[TokenInfo] = field(default_factory=list)
-    # Its reasoning, text and calls in the order they came, text runs whole:
-    # for the APIs whose answer is a sequence of blocks (Anthropic's, Responses').
-    parts: list[tuple[str, str | ToolCall]] = field(default_factory=list)
 
-    def add_part(self, kind: str, value: str | ToolCall) -> None:
-        """kind: "reasoning", "text" or "call"."""
-        if self.parts and kind != "call" and self.parts[-1][0] == kind:
-            value = cast(str, self.parts[-1][1]) + cast(str, value)
-            self.parts[-1] = (kind, value)
-        else:
-            self.parts.append((kind, value))
+    @property
+    def text(self) -> str:
+        return "".join(cast(str, value) for kind, value in self.parts if kind == "text")
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(cast(str, value) for kind, value in self.parts if kind == "reasoning")
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return [value for _, value in self.parts if isinstance(value, ToolCall)]
+
+    def add(self, delta: Delta) -> None:
+        """A Delta's reasoning, then text, then calls."""
+        for kind, value in (("reasoning", delta.reasoning), ("text", delta.text)):
+            if not value:
+                continue
+            if self.parts and self.parts[-1][0] == kind:
+                self.parts[-1] = (kind, cast(str, self.parts[-1][1]) + value)
+            else:
+                self.parts.append((kind, value))
+        self.parts += [("call", call) for call in delta.tool_calls]
+        self.logprobs += delta.logprobs
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_string = delta.finish_reason, delta.stop_string
 
 
 class Renderer(Protocol):
@@ -453,18 +468,7 @@ async def _collect(deltas: AsyncGenerator[Delta], n: int) -> list[Choice]:
         async for delta in deltas:
             if delta.error is not None:
                 raise delta_error(delta)
-            choice = choices[delta.index]
-            choice.text += delta.text
-            choice.reasoning += delta.reasoning
-            choice.tool_calls += delta.tool_calls
-            for kind, value in (("reasoning", delta.reasoning), ("text", delta.text)):
-                if value:
-                    choice.add_part(kind, value)
-            for call in delta.tool_calls:
-                choice.add_part("call", call)
-            choice.logprobs += delta.logprobs
-            if delta.finish_reason is not None:
-                choice.finish_reason, choice.stop_string = delta.finish_reason, delta.stop_string
+            choices[delta.index].add(delta)
     return choices
 
 
