@@ -19,7 +19,7 @@ from gateway.worker_link import WorkerLink
 from protocol.worker_settings import WorkerSettings
 
 WEIGHTS = 400  # bytes charged per model; the budget holds two
-DEAF = ["sh", "-c", "trap '' TERM; sleep 60"]
+DEAF = ["sh", "-c", "trap '' TERM; echo deaf; exec sleep 60"]  # SIGTERM stays ignored across the exec
 
 
 def pool_of(tmp_path, names: list[str], max_loaded: int = 3) -> ModelPool:
@@ -34,7 +34,9 @@ def pool_of(tmp_path, names: list[str], max_loaded: int = 3) -> ModelPool:
 
 async def run_deaf_worker(pool: ModelPool, name: str) -> asyncio.subprocess.Process:
     supervisor = pool.models[name].supervisor
-    process = await asyncio.create_subprocess_exec(*DEAF, process_group=0)
+    process = await asyncio.create_subprocess_exec(*DEAF, process_group=0, stdout=asyncio.subprocess.PIPE)
+    assert process.stdout is not None
+    await process.stdout.readline()  # deaf from here on: a SIGTERM sent sooner would end it
     supervisor.process = process
     supervisor._task = asyncio.create_task(process.wait())
     return process
