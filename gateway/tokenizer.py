@@ -32,6 +32,7 @@ from tokenizers import Tokenizer as RustTokenizer  # noqa: E402
 from tokenizers.decoders import DecodeStream  # noqa: E402
 from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, ProcessorMixin  # noqa: E402
 
+from gateway.call_ids import Style, call_id_style, fit_call_ids  # noqa: E402
 from gateway.parsing import detect_reasoning, detect_tool_family  # noqa: E402
 from gateway.pixtral import PixtralProcessor  # noqa: E402
 from protocol import Tensor  # noqa: E402
@@ -162,7 +163,8 @@ class Tokenizer:
                               "model's own chat template over the request's messages")
         template_tools: list[dict[str, Any] | Callable[..., Any]] | None = list(tools) if tools else None
         vision = self.processor is not None
-        messages = [{**m, "content": _template_content(m["content"], vision)} for m in messages]
+        messages = [{**m, "content": _template_content(m["content"], vision)}
+                    for m in fit_call_ids(messages, self._call_id_style)]
         # A template that rewrites the last message's text cannot continue it (transformers
         # finds it no more): the answer then opens a turn of its own, as without a prefill.
         for continuing in dict.fromkeys((continue_final, False)):
@@ -220,6 +222,10 @@ class Tokenizer:
     @functools.cached_property
     def tool_family(self) -> str:
         return detect_tool_family(self._tok.chat_template or "")
+
+    @functools.cached_property
+    def _call_id_style(self) -> Style:
+        return call_id_style(self.chat_template)
 
     @functools.cached_property
     def reasoning_markers(self) -> tuple[str, str] | None:

@@ -41,8 +41,10 @@ AFTER_TOOL = "{% if messages | selectattr('role', 'equalto', 'tool') | list %}" 
 
 
 def make_scripted_model(path: Path, script: list[str], markers: str = "<tool_call>",
-                        after_tool: Sequence[str] = (), context: int = 1024, special: Sequence[str] = ()) -> Path:
-    """special: tokens added as special tokens (as a format's markers often are), script pieces or not."""
+                        after_tool: Sequence[str] = (), context: int = 1024, special: Sequence[str] = (),
+                        template: str = TEMPLATE) -> Path:
+    """special: tokens added as special tokens (as a format's markers often are), script pieces or not;
+    template: a chat template in TEMPLATE's shape (it ends the prompt on the same token)."""
     path.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
     tok.add_special_tokens([AddedToken(word, normalized=False, special=True) for word in special])
@@ -52,7 +54,7 @@ def make_scripted_model(path: Path, script: list[str], markers: str = "<tool_cal
     assert None not in ids and len(set(ids)) == len(ids), "script pieces must be distinct tokens"
     pieces, answer = ids[:len(script)], ids[len(script):len(script) + len(after_tool)]
     tok.save(str(path / "tokenizer.json"))
-    template = TEMPLATE.replace("MARKERS", markers)
+    template = template.replace("MARKERS", markers)
     if after_tool:
         template = template.replace("{# AFTER_TOOL #}", AFTER_TOOL)
     eos = tok.token_to_id("<|im_end|>")

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.conftest import Server
-from tests.scripted_model import make_scripted_model
+from tests.scripted_model import TEMPLATE, make_scripted_model
 from tests.test_anthropic import assert_event_grammar
 
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -67,15 +67,27 @@ SCRIPTS = {
 }
 
 
+# A template that renders calls' ids and tool results' (as Kimi's and Mistral's do); with
+# STRICT, it refuses an id that is not nine characters long, as Mistral's do.
+ID_TEMPLATE = TEMPLATE.replace(
+    "<tool_call>{{ c.function | tojson }}</tool_call>",
+    "{% if STRICT and c.id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with "
+    "length 9!') }}{% endif %}<tool_call>{{ c.id }} {{ c.function | tojson }}</tool_call>",
+).replace("{{ m.content }}", "{{ m.tool_call_id ~ ': ' if m.tool_call_id }}{{ m.content }}")
+ID_TEMPLATES = {"mistral-ids": ("mistral", ID_TEMPLATE.replace("STRICT", "true")),
+                "kimi_k2-ids": ("kimi_k2", ID_TEMPLATE.replace("STRICT", "false"))}
+
+
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
     servers = {}
 
     def get(name: str) -> Server:
         if name not in servers:
-            markers, script = SCRIPTS[name] if name in SCRIPTS else (" ".join(HARMONY_MARKERS), HARMONY[name])
+            family, template = ID_TEMPLATES.get(name, (name, TEMPLATE))
+            markers, script = SCRIPTS[family] if family in SCRIPTS else (" ".join(HARMONY_MARKERS), HARMONY[family])
             path = make_scripted_model(tmp_path_factory.mktemp(name) / "model", script, markers,
-                                       special=HARMONY_MARKERS)
+                                       special=HARMONY_MARKERS, template=template)
             servers[name] = Server(["serve", "--model", str(path), "--served-model-name", "scripted"],
                                    path.parent / "serve.log")
             servers[name].wait_ready()
@@ -180,6 +192,51 @@ def test_tool_messages_round_trip(scripted):
                                                                             "content": "18 degrees and sunny"}]
     legacy = client.chat.completions.create(model="scripted", messages=older, tools=TOOLS, temperature=0)
     assert legacy.usage.prompt_tokens > first.usage.prompt_tokens + 5
+
+
+def history_with(call_id: str, arguments: str = json.dumps(CALL["arguments"])) -> list[dict]:
+    """The question, a call with this id, and the tool's result for it, in OpenAI's messages."""
+    return ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": "18 degrees and sunny"},
+    ]
+
+
+def test_a_template_that_takes_nine_character_ids_gets_them(scripted):
+    """Mistral's templates (Devstral, Mistral Small) refuse other ids: every client's second turn failed."""
+    server = scripted("mistral-ids")
+    client = openai_client(server)
+    first = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    assert call.id.startswith("call_")
+    second = client.chat.completions.create(model="scripted", messages=history_with(call.id), tools=TOOLS,
+                                            temperature=0)
+    assert second.choices[0].finish_reason == "tool_calls"
+    # The same id renders the same every turn (the prefix cache holds the conversation).
+    assert client.chat.completions.create(model="scripted", messages=history_with(call.id), tools=TOOLS,
+                                          temperature=0).usage.prompt_tokens == second.usage.prompt_tokens
+    messages = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0).messages
+    assert messages.create(model="scripted", max_tokens=8, tools=ANTHROPIC_TOOLS, messages=ASK + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_01A09q90qw90lq917835lq9",
+                                           "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01A09q90qw90lq917835lq9",
+                                      "content": "18 degrees"}]},
+    ]).stop_reason == "tool_use"
+
+
+def test_kimi_reads_back_its_own_call_ids(scripted):
+    """Kimi's ids name the function and the call's place (`functions.get_weather:0`): an id
+    given back with Anthropic's prefix, or another client's, renders as Kimi wrote it."""
+    server = scripted("kimi_k2-ids")
+    message = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0).messages.create(
+        model="scripted", max_tokens=32, messages=ASK, tools=ANTHROPIC_TOOLS)
+    assert message.content[-1].id == "toolu_functions.get_weather:0"
+    client = openai_client(server)
+    tokens = {call_id: client.chat.completions.create(model="scripted", messages=history_with(call_id),
+                                                      tools=TOOLS, temperature=0, max_tokens=1).usage.prompt_tokens
+              for call_id in ("functions.get_weather:0", message.content[-1].id, "call_abc")}
+    assert len(set(tokens.values())) == 1, tokens
 
 
 @pytest.mark.parametrize("model", ["reasoning", "reasoning-longcat", "reasoning-gemma", "reasoning-harmony"])
