@@ -38,23 +38,31 @@ def mlxd(*args, env: dict) -> subprocess.CompletedProcess:
 
 
 class SlowFileServer:
-    """Serves one file over HTTP with Range support, a chunk every few milliseconds."""
+    """Serves one file over HTTP with Range support (for the version its ETag
+    names, sent back as If-Range), a chunk every few milliseconds; with
+    `cut`, the connection drops after that many bytes of the file."""
 
     def __init__(self, data: bytes, delay_s: float) -> None:
         self.ranges: list[str | None] = []
+        self.data = data
+        self.cut: int | None = None
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                data, etag = outer.data, f'"{hashlib.sha256(outer.data).hexdigest()[:16]}"'
                 wanted = self.headers.get("Range")
+                if self.headers.get("If-Range") != etag:
+                    wanted = None
                 outer.ranges.append(wanted)
                 start = int(wanted.removeprefix("bytes=").rstrip("-")) if wanted else 0
                 self.send_response(206 if wanted else 200)
+                self.send_header("ETag", etag)
                 self.send_header("Content-Length", str(len(data) - start))
                 self.end_headers()
                 try:
-                    for offset in range(start, len(data), SLOW_CHUNK):
-                        self.wfile.write(data[offset:offset + SLOW_CHUNK])
+                    for offset in range(start, outer.cut or len(data), SLOW_CHUNK):
+                        self.wfile.write(data[offset:min(offset + SLOW_CHUNK, outer.cut or len(data))])
                         time.sleep(delay_s)
                 except (BrokenPipeError, ConnectionResetError):
                     pass
@@ -175,3 +183,33 @@ def test_a_sha_of_the_pulled_download_matches_the_source(gguf, cache, tmp_path):
 
     fetch(str(gguf), partial, "whole")
     assert hashlib.sha256(partial.read_bytes()).hexdigest() == hashlib.sha256(data).hexdigest()
+
+
+def test_a_download_continues_only_the_version_it_began(gguf, tmp_path):
+    """A file changed on the server since the pull stopped is downloaded again
+    whole, not spliced onto the old version's bytes; an unchanged one continues."""
+    from worker.pull import PullError, fetch
+
+    old, new = b"old version " * 5000, gguf.read_bytes()
+    server = SlowFileServer(old, delay_s=0)
+    partial = tmp_path / "tinyp.gguf.partial"
+
+    def dropped_at(cut: int) -> None:
+        server.cut = cut
+        with pytest.raises(PullError, match="pull again to continue"):
+            fetch(server.url, partial, "tinyp")
+        server.cut = None
+        assert partial.stat().st_size == cut
+
+    try:
+        dropped_at(SLOW_CHUNK)
+        fetch(server.url, partial, "tinyp")
+        assert server.ranges[-1] == f"bytes={SLOW_CHUNK}-" and partial.read_bytes() == old
+        partial.unlink()
+        dropped_at(SLOW_CHUNK)
+        server.data = new
+        fetch(server.url, partial, "tinyp")
+    finally:
+        server.close()
+    assert server.ranges[-1] is None
+    assert hashlib.sha256(partial.read_bytes()).hexdigest() == hashlib.sha256(new).hexdigest()

@@ -3,14 +3,18 @@
 A Hugging Face repo goes to the hub's own cache (huggingface_hub shows its
 progress and resumes its partial files). A .gguf file, on this machine or at
 an http(s) URL, is copied into the cache's downloads as NAME.gguf.partial,
-continued from where an interrupted pull stopped (a URL's server must answer
-Range requests, else it starts over), then imported into models/NAME, which
-`--model NAME` serves.
+continued from where an interrupted pull stopped, then imported into
+models/NAME, which `--model NAME` serves. A URL's download continues only
+where its server answers Range requests and names the file's version (an
+ETag or Last-Modified, kept beside the partial file and sent back as
+If-Range): a file changed on the server since, or a partial file of another
+URL, starts over rather than splice two versions together.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import sys
 import time
 import urllib.request
@@ -58,9 +62,9 @@ def pull(source: str, name: str | None = None) -> tuple[Path, str]:
 
 
 def fetch(source: str, partial: Path, label: str) -> None:
-    """Copy `source` into `partial`, continuing what an earlier pull left there."""
+    """Copy `source` into `partial`, continuing what an earlier pull of it left there."""
     have = partial.stat().st_size if partial.exists() else 0
-    src, total, have = _open(source, have)
+    src, total, have = _open(source, have, partial.with_suffix(".version"))
     if have:
         print(f"resuming {label} at {format_size(have)}", file=sys.stderr)
     progress = Progress(label, total, have)
@@ -72,20 +76,13 @@ def fetch(source: str, partial: Path, label: str) -> None:
     progress.done(have)
     if total is not None and have != total:
         raise PullError(f"{source} ended after {have} of {total} bytes; pull again to continue")
+    partial.with_suffix(".version").unlink(missing_ok=True)
 
 
-def _open(source: str, have: int) -> tuple[io.BufferedIOBase, int | None, int]:
+def _open(source: str, have: int, version_file: Path) -> tuple[io.BufferedIOBase, int | None, int]:
     """The source from byte `have` (from 0 if it cannot continue there), its total size, and where it starts."""
     if source.startswith(("http://", "https://")):
-        request = urllib.request.Request(source, headers={"Range": f"bytes={have}-"} if have else {})
-        try:
-            response = urllib.request.urlopen(request, timeout=30)
-        except OSError as e:
-            raise PullError(f"cannot download {source}: {e}") from None
-        if have and response.status != 206:
-            have = 0  # the server sends the whole file: start over
-        length = response.headers.get("Content-Length")
-        return response, (have + int(length)) if length and length.isdigit() else None, have
+        return _download(source, have, version_file)
     path = Path(source).expanduser()
     if not path.is_file():
         raise PullError(f"{source}: no such file")
@@ -94,6 +91,36 @@ def _open(source: str, have: int) -> tuple[io.BufferedIOBase, int | None, int]:
     src = open(path, "rb")
     src.seek(have)
     return src, total, have
+
+
+def _download(url: str, have: int, version_file: Path) -> tuple[io.BufferedIOBase, int | None, int]:
+    """The URL's file from byte `have` where the server still has the version
+    the partial file came from, else from 0; the version is kept in
+    `version_file` for the next pull to continue from."""
+    kept = json.loads(version_file.read_text()) if have and version_file.is_file() else {}
+    version = kept.get("version") if kept.get("url") == url else None
+    response = _get(url, {"Range": f"bytes={have}-", "If-Range": version} if version else {})
+    if not (version and response.status == 206
+            and response.headers.get("Content-Range", f"bytes {have}-").startswith(f"bytes {have}-")):
+        have = 0  # the whole file: the server's is another version, or it cannot send that part
+        if response.status == 206:
+            response.close()
+            response = _get(url, {})
+    etag = response.headers.get("ETag", "")
+    version = etag if etag and not etag.startswith("W/") else response.headers.get("Last-Modified")
+    if version:
+        version_file.write_text(json.dumps({"url": url, "version": version}))
+    else:
+        version_file.unlink(missing_ok=True)
+    length = response.headers.get("Content-Length")
+    return response, (have + int(length)) if length and length.isdigit() else None, have
+
+
+def _get(url: str, headers: dict[str, str]):
+    try:
+        return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30)
+    except OSError as e:
+        raise PullError(f"cannot download {url}: {e}") from None
 
 
 class Progress:
