@@ -8,12 +8,14 @@ import json
 import os
 import signal
 import stat
+import subprocess
 import threading
+import time
 
 import httpx
 import openai
 
-from tests.conftest import running, wait_for
+from tests.conftest import MLXD, ROOT, free_port, running, wait_for
 from tests.tiny_model import make_tiny_model
 
 SYSTEM = " ".join(f"Rule {i}: be brief." for i in range(80))  # ~1500 tokens: 5 blocks of 256
@@ -36,7 +38,7 @@ def disk_tokens(srv) -> int:
 
 
 def blocks(directory) -> list:
-    return sorted(directory.glob("*.kv"))
+    return sorted(directory.rglob("*.kv"))
 
 
 def test_kv_state_outlives_the_worker_and_a_damaged_file_costs_only_a_prefill(tiny_model, reference, tmp_path):
@@ -145,3 +147,14 @@ def test_a_request_that_ends_with_its_first_token_costs_no_other_its_answer(tiny
     assert short.choices[0].message.content == reference.greedy(prompt, 1).text
     story = reference.chat_prompt([{"role": "user", "content": "Tell me a long story."}])
     assert "".join(text) == reference.greedy(story, 64, ignore_eos=True).text
+
+
+def test_a_directory_that_cannot_serve_fails_the_worker_at_once_with_the_reason(tiny_model, tmp_path):
+    """Not after loading the model, and not as a crash the supervisor restarts again and again."""
+    (tmp_path / "file").write_text("")
+    started = time.monotonic()
+    result = subprocess.run([*MLXD, *serve_args(tiny_model, tmp_path / "file"), "--preload", "--port",
+                             str(free_port())], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and time.monotonic() - started < 30
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("mlxd: error: cannot load the model: --prefix-cache-dir:") and "not a directory" in last

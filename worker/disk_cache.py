@@ -8,17 +8,26 @@ start under the same model. After a restart, or once the RAM tier has let a
 prefix go, the longest chain of blocks on disk is read back before the rest is
 prefilled.
 
+Each model's blocks live in a directory of their own under the cache
+directory (named by its identity), so that models sharing a cache directory
+neither count nor evict each other's files; replicas of one model share it.
+
 The main thread copies a block's arrays to bytes (MLX stays on it); a writer
 thread, which never calls MLX, writes each file (0600, in a 0700 directory,
-under a temporary name first) and removes the least recently used files
-beyond the byte budget. Reading checks a header and a checksum: a corrupt,
-truncated or foreign file is removed, and the chain ends before it. The
-files of a chain are read, checked and put together by reader threads (no
-MLX either), since the main thread waits for them.
+under a temporary name first), first removing the least recently used files
+that would leave the budget short. A chain is read back deepest block
+first and its first block last, so that it is the most recently used:
+eviction trims a chain from its end, never leaving blocks no chain can reach.
+Reading checks a header and a checksum: a corrupt, truncated or foreign file
+is removed, and the chain ends before it. The files of a chain are read,
+checked and put together by reader threads (no MLX either), since the main
+thread waits for them. A disk that fills up lowers the budget to what it
+holds; a file that cannot be removed or written is logged, never fatal.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import math
@@ -121,22 +130,45 @@ def read_block(path: Path) -> Block:
     return Block(layout, arrays, len(data))
 
 
+def open_directory(directory: Path) -> Path:
+    """The cache directory, made (0700) if it is not there; an OSError or
+    ValueError that says why one cannot serve: not a directory, not this
+    user's, not writable. Run before the model loads: a worker that cannot use
+    its directory fails at once with the reason, not after a load."""
+    directory = directory.expanduser()
+    if not directory.exists():
+        directory.mkdir(mode=0o700, parents=True)
+        directory.chmod(0o700)  # the umask may have taken bits off
+    info = directory.stat()
+    if not directory.is_dir():
+        raise ValueError(f"{directory} is not a directory")
+    if info.st_uid != os.getuid():
+        raise ValueError(f"{directory} belongs to another user (uid {info.st_uid})")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"{directory} is not writable")
+    for path, _ in _stats(directory, "*" + SUFFIX):  # blocks of the layout before each model had its own directory
+        path.unlink(missing_ok=True)
+    return directory
+
+
 class DiskCache:
     def __init__(self, directory: Path, budget_bytes: int, identity: bytes) -> None:
-        self.directory = directory
+        """directory: one open_directory made ready; the model's blocks go in a directory of their own in it."""
+        self.directory = directory / hashlib.sha256(identity).hexdigest()[:32]
         self.budget = budget_bytes
         self.identity = identity
-        directory.mkdir(parents=True, exist_ok=True)
-        directory.chmod(0o700)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.directory.chmod(0o700)
         self.restored_tokens = 0
         # Block keys on disk, least recently used first, with their sizes; the
-        # writer thread and the main thread share it under the lock.
+        # writer thread and the main thread share it under the lock, and files
+        # are removed under it too, so that a key counted is a file there.
         self._lock = threading.Lock()
         self._files: OrderedDict[str, int] = OrderedDict()
-        found = sorted((info.st_mtime, path.stem, info.st_size) for path, info in _stats(directory, "*" + SUFFIX))
+        found = sorted((info.st_mtime, path.stem, info.st_size) for path, info in _stats(self.directory, "*" + SUFFIX))
         for _, key, size in found:
             self._files[key] = size
-        for path, info in _stats(directory, "*.tmp"):  # a write a crash cut short; an hour leaves others' own
+        for path, info in _stats(self.directory, "*.tmp"):  # a write a crash cut short; an hour leaves others' own
             if time.time() - info.st_mtime > 3600:
                 path.unlink(missing_ok=True)
         self.nbytes = sum(self._files.values())
@@ -157,18 +189,21 @@ class DiskCache:
         tier usually holds as much, and a read is the main thread's time."""
         chain = []
         for key in chain_keys(self.identity, tokens):
-            path = self._path(key)
             with self._lock:
                 known = key in self._files
-                if known:
-                    self._files.move_to_end(key)
-            try:
-                os.utime(path)  # recently used, whether read now or not (the order outlives the worker)
-            except OSError:
+            if not self._path(key).exists():
                 if known:
                     self._forget(key)
                 break  # not on disk (another worker on this directory may have written one that is)
             chain.append((key, known))
+        for key, _ in reversed(chain):  # recently used, read now or not; the first block last (the docstring)
+            with self._lock:
+                if key in self._files:
+                    self._files.move_to_end(key)
+            try:
+                os.utime(self._path(key))  # the order outlives the worker
+            except OSError:
+                pass  # gone meanwhile: its read fails below, and ends the chain there
         if len(chain) * BLOCK_TOKENS <= beyond:
             return None, 0
         blocks = self._read_chain(chain)
@@ -204,7 +239,8 @@ class DiskCache:
             blocks.append(block)
             if not known:
                 with self._lock:
-                    self._count(key, block.file_bytes)
+                    if self._path(key).exists():  # another worker on the directory may have removed it since
+                        self._count(key, block.file_bytes)
         return blocks
 
     def _assemble(self, blocks: list[Block]) -> list[mx.array]:
@@ -231,6 +267,8 @@ class DiskCache:
             start, end = index * BLOCK_TOKENS, (index + 1) * BLOCK_TOKENS
             arrays = [mx.contiguous(a[..., start:end, :]) for c in cache for a in (c.keys, c.values)]
             size = sum(a.nbytes for a in arrays)
+            if end // BLOCK_TOKENS * size > self.budget:
+                return  # blocks past what the budget holds of the chain would evict its own first ones
             with self._lock:
                 if key in self._files or key in self._queued:
                     continue
@@ -260,37 +298,57 @@ class DiskCache:
     def _forget(self, key: str) -> None:
         with self._lock:
             self.nbytes -= self._files.pop(key, 0)
-        self._path(key).unlink(missing_ok=True)
+            self._remove(key)
+
+    def _remove(self, key: str) -> None:
+        """Under the lock (see __init__)."""
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("could not remove prefix-cache block %s: %s", self._path(key).name, e)
+
+    def _make_room(self, size: int) -> None:
+        """Remove the least recently used files until `size` more bytes fit the budget; under the lock."""
+        while self._files and self.nbytes + size > self.budget:
+            old, old_size = self._files.popitem(last=False)
+            self.nbytes -= old_size
+            self._remove(old)
 
     def _write_loop(self) -> None:
         while (item := self._pending.get()) is not None:
             key, payload, size = item
-            parts = block_file(payload)
-            path = self._path(key)
-            temporary = path.with_suffix(f".{os.getpid()}.tmp")  # replicas of a model may share the directory
             try:
-                fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                with os.fdopen(fd, "wb") as f:
-                    f.writelines(parts)
-                os.replace(temporary, path)
-            except OSError as e:
-                log.warning("could not write prefix-cache block %s: %s", path.name, e)
-                temporary.unlink(missing_ok=True)
+                self._write(key, block_file(payload))
+            except Exception:  # the writer must outlive any one block: the queue's bytes wait on it
+                log.exception("could not write prefix-cache block %s", key)
+            finally:
                 with self._lock:
                     self._queued_bytes -= size
                     self._queued.discard(key)
-                continue
-            with self._lock:
-                self._queued_bytes -= size
-                self._queued.discard(key)
-                self._count(key, sum(map(len, parts)))
-                evicted = []
-                while self.nbytes > self.budget and self._files:
-                    old, old_size = self._files.popitem(last=False)
-                    self.nbytes -= old_size
-                    evicted.append(old)
-            for old in evicted:
-                self._path(old).unlink(missing_ok=True)
+
+    def _write(self, key: str, parts: list[bytes]) -> None:
+        path, file_bytes = self._path(key), sum(map(len, parts))
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")  # replicas of a model may share the directory
+        with self._lock:
+            self._make_room(file_bytes)
+        try:
+            self.directory.mkdir(mode=0o700, exist_ok=True)  # removed by hand while the worker runs
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.writelines(parts)
+            os.replace(temporary, path)
+        except OSError as e:
+            temporary.unlink(missing_ok=True)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                with self._lock:
+                    self.budget = self.nbytes  # what this disk holds: later blocks take the oldest's room
+                log.warning("the disk under %s is full: its prefix-cache budget is now %d bytes",
+                            self.directory, self.budget)
+            else:
+                log.warning("could not write prefix-cache block %s: %s", path.name, e)
+            return
+        with self._lock:
+            self._count(key, file_bytes)
 
 
 def _stats(directory: Path, pattern: str) -> list[tuple[Path, os.stat_result]]:

@@ -20,7 +20,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from protocol import AddRequest, PrefixCacheStats, RequestOutput, TokenLogprob
 from worker.grammar import GrammarError, Grammars
-from worker.joins import fold_joins
+from worker.joins import fold_joins, running_kv_view
 from worker.prefix_cache import PrefixCache
 from worker.sampling import make_sampler
 from worker.vision import VisionPrefill, images_key
@@ -328,7 +328,7 @@ class Engine:
                 # Now, not at its end: a worker lost mid-stream leaves the prompt on disk for the resumed request.
                 # (One that ends here has left mlx-lm's batch already; keep() below writes it.)
                 admitted.on_disk = True
-                cache, tokens = self._generator.extract_cache([r.uid])[r.uid]
+                cache, tokens = running_kv_view(self._generator, r.uid)
                 disk.save(self._cache_key(admitted, list(tokens)), cache)
             outputs.append(RequestOutput(admitted.request_id, [r.token], r.finish_reason,
                                          cached_tokens=admitted.cached_tokens))

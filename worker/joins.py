@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch, StopSequences
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 # The log-probabilities of the step that returns a joining row's last prompt
 # token; that step's output for the row is dropped, so nothing reads them.
@@ -88,6 +89,28 @@ class _Running(GenerationBatch):
             responses = [r for r in responses if r.uid not in self._joined]
             self._joined.clear()
         return responses
+
+
+def running_kv_view(generator: BatchGenerator, uid: int) -> tuple[list, list[int]]:
+    """A running request's KV state, each plain layer as views of the batch's
+    arrays (no copy), and its tokens. mlx-lm's extract_cache copies the row's
+    whole state, and any block of the copy costs the whole copy: the disk tier,
+    which writes the blocks it does not hold yet, takes views instead."""
+    batch = generator._generation_batch
+    row = batch.uids.index(uid)
+    layers = []
+    for c in batch.prompt_cache:
+        if type(c) is not BatchKVCache:
+            layers.append(c.extract(row))
+            continue
+        start = int(c.left_padding[row])
+        keys, values = c.keys, c.values
+        assert keys is not None and values is not None  # the row is running: it has KV state
+        view = KVCache()
+        view.keys, view.values = keys[row:row + 1, :, start:c._idx], values[row:row + 1, :, start:c._idx]
+        view.offset = c._idx - start
+        layers.append(view)
+    return layers, batch.tokens[row]
 
 
 def fold_joins(generator: BatchGenerator) -> None:

@@ -25,7 +25,7 @@ from protocol import EXIT_LOAD_FAILED, PROTOCOL_VERSION, Hello, LoadFailed, enco
 from protocol.worker_settings import WorkerSettings, model_source, split_model
 from worker.audit import AffinityAudit
 from worker.collective import RankChannel, RankState, summed_footprint, this_rank
-from worker.disk_cache import DiskCache
+from worker.disk_cache import DiskCache, open_directory
 from worker.embed import embedder_for
 from worker.engine import Engine
 from worker.footprint import kv_footprint, set_limits, weights_bytes
@@ -81,6 +81,12 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         channel, sharding = RankChannel(group), Sharding(group, settings.sharding == "pipeline")
         _stop_with_parent(settings.parent_pid)
         log.info("rank %d of %d", group.rank(), group.size())
+    cache_dir = None
+    if settings.prefix_cache_dir:
+        try:
+            cache_dir = open_directory(Path(settings.prefix_cache_dir))
+        except (OSError, ValueError) as e:
+            return load_failed(settings, f"--prefix-cache-dir: {e}")
     started = time.monotonic()
     try:
         loaded = load_model(model_source(settings), settings.context_length, settings.cpu_dequantize, sharding)
@@ -109,8 +115,7 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         # Every rank's cache must keep and drop the same prompts: budgets in proportion to the shards' KV.
         prefix_cache_bytes = prefix_cache_bytes * states[channel.rank].kv_footprint.per_token \
             // max(states[0].kv_footprint.per_token, 1)
-    disk = DiskCache(Path(settings.prefix_cache_dir), settings.prefix_cache_disk_bytes, model_identity(loaded)) \
-        if settings.prefix_cache_dir else None
+    disk = DiskCache(cache_dir, settings.prefix_cache_disk_bytes, model_identity(loaded)) if cache_dir else None
     engine = Engine(
         text_model,
         eos_token_ids=loaded.eos_token_ids,

@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from worker.disk_cache import BLOCK_TOKENS, DiskCache, chain_keys
+from worker.disk_cache import BLOCK_TOKENS, DiskCache, chain_keys, open_directory
 
 IDENTITY = b"model-a"
 
@@ -23,17 +23,22 @@ def kv_cache(tokens: int, layers: int = 2, seed: int = 0) -> list[KVCache]:
     return cache
 
 
-def written(directory, budget: int, tokens: list[int], cache: list, identity: bytes = IDENTITY) -> None:
+def written(directory, budget: int, tokens: list[int], cache: list, identity: bytes = IDENTITY) -> DiskCache:
     disk = DiskCache(directory, budget, identity)
     disk.save(tokens, cache)
     disk.close()  # everything queued is on disk
+    return disk
+
+
+def block_files(directory) -> list:
+    return list(directory.rglob("*.kv"))
 
 
 def test_blocks_come_back_as_they_went_in(tmp_path):
     tokens = list(range(3 * BLOCK_TOKENS + 10))
     cache = kv_cache(len(tokens))
     written(tmp_path, 1 << 30, tokens, cache)
-    assert len(list(tmp_path.glob("*.kv"))) == 3  # whole blocks only
+    assert len(block_files(tmp_path)) == 3  # whole blocks only
     restored, length = DiskCache(tmp_path, 1 << 30, IDENTITY).restore(tokens, 0)
     assert length == 3 * BLOCK_TOKENS and restored is not None
     for mine, theirs in zip(restored, cache):
@@ -55,16 +60,59 @@ def test_a_block_matches_only_behind_the_same_tokens_and_model(tmp_path):
     assert length == BLOCK_TOKENS
 
 
-def test_the_least_recently_used_blocks_go_past_the_budget(tmp_path):
+def block_bytes(tmp_path, cache) -> int:
+    written(tmp_path / "probe", 1 << 30, list(range(BLOCK_TOKENS)), cache)
+    return block_files(tmp_path / "probe")[0].stat().st_size
+
+
+def test_a_chain_longer_than_the_budget_keeps_its_first_blocks(tmp_path):
     tokens = list(range(4 * BLOCK_TOKENS))
     cache = kv_cache(len(tokens))
-    written(tmp_path / "probe", 1 << 30, tokens[:BLOCK_TOKENS], cache)
-    block = next((tmp_path / "probe").glob("*.kv")).stat().st_size
+    block = block_bytes(tmp_path, cache)
     written(tmp_path / "kv", 2 * block, tokens, cache)
-    files = list((tmp_path / "kv").glob("*.kv"))
+    files = block_files(tmp_path / "kv")
     assert len(files) == 2 and sum(f.stat().st_size for f in files) <= 2 * block
-    # The chain's first blocks went first, so nothing of it can be read back.
-    assert DiskCache(tmp_path / "kv", 2 * block, IDENTITY).restore(tokens, 0) == (None, 0)
+    assert DiskCache(tmp_path / "kv", 2 * block, IDENTITY).restore(tokens, 0)[1] == 2 * BLOCK_TOKENS
+
+
+def test_eviction_trims_a_chain_from_its_end(tmp_path):
+    """A chain read back keeps its first blocks longest: evicting one of them
+    would leave the rest of the chain on disk, counted, and out of reach."""
+    used, other = list(range(3 * BLOCK_TOKENS)), list(range(5000, 5000 + 2 * BLOCK_TOKENS))
+    cache = kv_cache(len(used))
+    block = block_bytes(tmp_path, cache)
+    written(tmp_path / "kv", 4 * block, used, cache)
+    disk = DiskCache(tmp_path / "kv", 4 * block, IDENTITY)
+    assert disk.restore(used, 0)[1] == 3 * BLOCK_TOKENS
+    disk.save(other, cache)  # one block of `used` must go
+    disk.close()
+    assert len(block_files(tmp_path / "kv")) == 4
+    assert DiskCache(tmp_path / "kv", 4 * block, IDENTITY).restore(used, 0)[1] == 2 * BLOCK_TOKENS
+
+
+def test_models_sharing_a_directory_keep_to_their_own_blocks(tmp_path):
+    """One model's writes never evict another's blocks, nor count them against its budget."""
+    tokens = list(range(2 * BLOCK_TOKENS))
+    cache = kv_cache(len(tokens))
+    block = block_bytes(tmp_path, cache)
+    written(tmp_path / "kv", 2 * block, tokens, cache)
+    assert written(tmp_path / "kv", 2 * block, tokens, cache, identity=b"model-b").nbytes == 2 * block
+    assert len(block_files(tmp_path / "kv")) == 4
+    assert DiskCache(tmp_path / "kv", 2 * block, IDENTITY).restore(tokens, 0)[1] == 2 * BLOCK_TOKENS
+
+
+def test_a_directory_that_cannot_serve_says_why(tmp_path):
+    made = open_directory(tmp_path / "new" / "kv")
+    assert made.is_dir() and made.stat().st_mode & 0o777 == 0o700
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is not a directory"):
+        open_directory(tmp_path / "file")
+    with pytest.raises(OSError):
+        open_directory(tmp_path / "file" / "kv")
+    # Blocks of the layout before each model had a directory of its own are nobody's now.
+    (made / ("0" * 64 + ".kv")).write_bytes(b"old")
+    open_directory(made)
+    assert not (made / ("0" * 64 + ".kv")).exists()
 
 
 def garbage(path, _tokens) -> None:
@@ -77,18 +125,17 @@ def truncated(path, _tokens) -> None:
 
 def of_another_layout(path, tokens) -> None:
     """A sound file (its checksum holds) whose arrays are not its chain's shape."""
-    other = path.parent.parent / "other"
     c = KVCache()
     c.update_and_fetch(mx.zeros((1, 1, len(tokens), 8)), mx.zeros((1, 1, len(tokens), 8)))
-    written(other, 1 << 30, tokens, [c])
+    other = written(path.parent.parent.parent / "other", 1 << 30, tokens, [c]).directory
     path.write_bytes((other / path.name).read_bytes())
 
 
 @pytest.mark.parametrize("damage", [garbage, truncated, of_another_layout])
 def test_a_damaged_or_foreign_block_ends_the_chain_and_is_removed(tmp_path, damage):
     tokens = list(range(3 * BLOCK_TOKENS))
-    written(tmp_path / "kv", 1 << 30, tokens, kv_cache(len(tokens)))
-    chain = [tmp_path / "kv" / f"{key}.kv" for key in chain_keys(IDENTITY, tokens)]
+    disk = written(tmp_path / "kv", 1 << 30, tokens, kv_cache(len(tokens)))
+    chain = [disk.directory / f"{key}.kv" for key in chain_keys(IDENTITY, tokens)]
     damage(chain[1], tokens)
     restored, length = DiskCache(tmp_path / "kv", 1 << 30, IDENTITY).restore(tokens, 0)
     assert length == BLOCK_TOKENS and restored is not None and restored[0].keys.shape[2] == BLOCK_TOKENS
@@ -101,7 +148,7 @@ def test_workers_sharing_a_directory_read_each_others_blocks(tmp_path):
     written(tmp_path, 1 << 30, tokens, kv_cache(len(tokens)))
     _, length = reader.restore(tokens, 0)
     assert length == 2 * BLOCK_TOKENS
-    assert reader.nbytes == sum(f.stat().st_size for f in tmp_path.glob("*.kv"))
+    assert reader.nbytes == sum(f.stat().st_size for f in block_files(tmp_path))
 
 
 def test_a_file_gone_while_a_worker_starts_is_skipped(tmp_path):
@@ -109,8 +156,8 @@ def test_a_file_gone_while_a_worker_starts_is_skipped(tmp_path):
     one lists them: a name whose file is gone by its stat (here a dangling
     link, of a block and of a temporary file) is skipped, not fatal."""
     tokens = list(range(BLOCK_TOKENS))
-    written(tmp_path, 1 << 30, tokens, kv_cache(len(tokens)))
-    (tmp_path / ("0" * 64 + ".kv")).symlink_to(tmp_path / "gone.kv")
-    (tmp_path / ("1" * 64 + ".1234.tmp")).symlink_to(tmp_path / "gone.tmp")
+    directory = written(tmp_path, 1 << 30, tokens, kv_cache(len(tokens))).directory
+    (directory / ("0" * 64 + ".kv")).symlink_to(tmp_path / "gone.kv")
+    (directory / ("1" * 64 + ".1234.tmp")).symlink_to(tmp_path / "gone.tmp")
     disk = DiskCache(tmp_path, 1 << 30, IDENTITY)
     assert disk.restore(tokens, 0)[1] == BLOCK_TOKENS
