@@ -56,8 +56,10 @@ from gateway.plan import (
     NamedTool,
     Plan,
     SamplingParams,
+    function_tool,
     keep_alive_seconds,
     nonempty_stops,
+    reasoning_switches,
     template_message,
     template_tool_call,
     tool_definitions,
@@ -96,15 +98,26 @@ def chat_input(body: ChatCompletionRequest) -> ChatInput:
         if m.function_call is not None and not calls:
             calls = [template_tool_call(f"call_{i}", m.function_call.name, m.function_call.arguments)]
         extra = {key: value for key, value in (("tool_call_id", m.tool_call_id), ("name", m.name)) if value is not None}
-        messages.append(template_message("system" if m.role == "developer" else m.role, parts, calls, **extra))
-    return ChatInput(messages, images, body.chat_template_kwargs)
+        if m.role == "function":  # answers the deprecated function_call, which has no id
+            extra.setdefault("tool_call_id", _answered_call_id(body.messages, i))
+        role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
+        messages.append(template_message(role, parts, calls, **extra))
+    switches = reasoning_switches(body.reasoning_effort)
+    kwargs = {**switches, **(body.chat_template_kwargs or {})} if switches else body.chat_template_kwargs
+    return ChatInput(messages, images, kwargs)
+
+
+def _answered_call_id(messages: list, index: int) -> str:
+    """The id chat_input gives the latest function_call before messages[index]."""
+    return next((f"call_{i}" for i in range(index - 1, -1, -1) if messages[i].function_call is not None), "call_0")
 
 
 def chat_plan(body: ChatCompletionRequest) -> Plan:
-    if body.top_logprobs is not None and not body.logprobs:
+    if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     choice = body.tool_choice or "auto"
-    tools = tool_definitions([msgspec.to_builtins(t) for t in body.tools or []],
+    tools = tool_definitions([function_tool(t.function.name, t.function.description,
+                                            t.function.parameters or {"type": "object"}) for t in body.tools or []],
                              NamedTool(choice.function.name) if isinstance(choice, NamedToolChoice) else choice)
     schema = body.response_format.json_schema.schema if isinstance(body.response_format,
                                                                    ResponseFormatJSONSchema) else None
@@ -126,9 +139,9 @@ def chat_plan(body: ChatCompletionRequest) -> Plan:
 
 
 def completion_plan(body: CompletionRequest) -> Plan:
-    prompt = body.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    prompt: str | list | None = body.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a list of one prompt (text or token ids)
     if isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt):
         raise APIError(400, "a list of several prompts is not supported; send one request per prompt", param="prompt")
     return Plan(

@@ -28,36 +28,42 @@ Seed = Annotated[int, Meta(ge=-MAX_INT - 1, le=MAX_INT)]
 KeepAlive = str | int | float | None
 
 
-class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+# A message and its parts take keys they do not know (unlike a request's own
+# parameters, which a 400 names): what clients carry along in the messages they
+# send back, such as the SDK's stream helpers' `index` and `parsed_arguments`
+# on a call, Open WebUI's `index`, OpenCode's `cache_control`, another
+# server's `reasoning`. None of them changes what the model is asked.
+class TextPart(msgspec.Struct, tag_field="type", tag="text"):
     text: str
 
 
-class ImageURL(msgspec.Struct, forbid_unknown_fields=True):
+class ImageURL(msgspec.Struct):
     url: str  # a data: URL, or http(s) from a host of --allow-image-hosts
     detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides the resolution
 
 
-class ImagePart(msgspec.Struct, tag_field="type", tag="image_url", forbid_unknown_fields=True):
+class ImagePart(msgspec.Struct, tag_field="type", tag="image_url"):
     image_url: ImageURL
 
 
-class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+class FunctionCall(msgspec.Struct):
     name: str
     arguments: str
 
 
-class ToolCallIn(msgspec.Struct, forbid_unknown_fields=True):
+class ToolCallIn(msgspec.Struct):
     id: str
     function: FunctionCall
     type: Literal["function"] = "function"
 
 
-class AudioRef(msgspec.Struct, forbid_unknown_fields=True):
+class AudioRef(msgspec.Struct):
     id: str
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+class ChatMessage(msgspec.Struct):
+    # "function": the deprecated function call's result, rendered as a tool's.
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
@@ -80,6 +86,8 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    # OpenAI pads streamed events against length side channels; taken, not needed on a LAN server.
+    include_obfuscation: bool | None = None
 
 
 class GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -165,12 +173,18 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: Annotated[int, Meta(ge=1, le=MAX_INT)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # The chat template's reasoning switches (as Responses' reasoning.effort);
+    # chat_template_kwargs, where both set one, win.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    # Hints for OpenAI's own cache routing and abuse tracking: taken, not used.
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
 class CompletionRequest(GenerationRequest):
-    # A string, or token ids. (A list of several prompts is refused.)
+    # A string, or token ids; a list of one of those. (A list of several prompts is refused.)
     # null: the start of a new document (the spec's default, its end-of-text token).
-    prompt: str | Annotated[list[int | str], Meta(min_length=1)] | None  # required, but may be null
+    prompt: str | Annotated[list[int | str | list[int]], Meta(min_length=1)] | None  # required, but may be null
     logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
 

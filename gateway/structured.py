@@ -40,14 +40,26 @@ def json_schema_grammar(schema: dict | None, param: str = "response_format") -> 
     return _validated(grammar, param)
 
 
+# Where a schema keeps the definitions its `$ref`s name (`#/$defs/...`), as
+# Pydantic's and MCP's tool schemas do: they must stay at the root of the
+# schema the grammar is made of, wherever the tool's parameters end up in it.
+DEFINITIONS = ("$defs", "definitions")
+
+
+def _definitions(schema: dict) -> dict:
+    return {key: schema[key] for key in DEFINITIONS if isinstance(schema.get(key), dict)}
+
+
 def _call_schema(tool: dict, arguments_key: str) -> dict:
     function = tool["function"]
+    parameters = function.get("parameters") or {"type": "object"}
     return {
         "type": "object",
         "properties": {"name": {"const": function["name"]},
-                       arguments_key: function.get("parameters") or {"type": "object"}},
+                       arguments_key: {k: v for k, v in parameters.items() if k not in DEFINITIONS}},
         "required": ["name", arguments_key],
         "additionalProperties": False,
+        **_definitions(parameters),
     }
 
 
@@ -94,17 +106,22 @@ AROUND = {"hermes": ("<tool_call>\n", "\n</tool_call>"), "mistral": ("[TOOL_CALL
 FAMILY_OF_PARSER = {"json_tools": "hermes", "mistral": "mistral", **{name: name for name in [*JSON_BODY, *TAGGED]}}
 
 
-def _tagged_value(schema: dict | bool, close: str, tokens: Mapping[str, int]) -> str:
+# Keys that make a schema without a `type` say something other than "any text".
+COMPOSITE = ("$ref", "anyOf", "oneOf", "allOf", "const")
+
+
+def _tagged_value(schema: dict | bool, close: str, tokens: Mapping[str, int], definitions: dict) -> str:
     """One argument's value and its closing tag. Text is written raw: up to
     the closing tag's `<` (so it may not hold one), or one of its enum values.
-    A schema of `true` (JSON Schema's "anything") is text."""
+    A schema of `true` (JSON Schema's "anything") is text; one that refers to
+    a definition or combines schemas is JSON, with the definitions beside it."""
     if not isinstance(schema, dict):
         schema = {}
     if schema.get("enum") and all(isinstance(value, str) for value in schema["enum"]):
         return "(" + " | ".join(json.dumps(value) for value in schema["enum"]) + ") " + _text(close, tokens)
-    if schema.get("type", "string") == "string":
+    if schema.get("type") == "string" or ("type" not in schema and not any(k in schema for k in COMPOSITE)):
         return "/[^<]*/ " + _text(close.lstrip("\n"), tokens)  # the newline before the tag is the value's
-    return f"{_arguments(schema)} {_text(close, tokens)}"
+    return f"{_arguments({**schema, **definitions})} {_text(close, tokens)}"
 
 
 def _tagged_call(tool: dict, family: str, tokens: Mapping[str, int]) -> str:
@@ -118,7 +135,8 @@ def _tagged_call(tool: dict, family: str, tokens: Mapping[str, int]) -> str:
     properties = properties if isinstance(properties, dict) else {}
     arguments = []
     for key, value in properties.items():
-        argument = f"{_text(arg_open.format(key=key), tokens)} {_tagged_value(value, arg_close, tokens)}"
+        value_rule = _tagged_value(value, arg_close, tokens, _definitions(schema))
+        argument = f"{_text(arg_open.format(key=key), tokens)} {value_rule}"
         arguments.append(argument if key in required else f"({argument})?")
     return " ".join([_text(call_open.format(name=function["name"]), tokens), *arguments,
                      _text(call_close, tokens)])
@@ -134,7 +152,8 @@ def _call_rule(tool: dict, family: str, tokens: Mapping[str, int]) -> str:
         return f"{_text(header.format(name=name), tokens)} {_arguments(parameters)} {_text(end, tokens)}"
     schema = _call_schema(tool, "parameters" if family == "llama3" else "arguments")
     if family == "mistral":
-        schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": 1}
+        inner = {k: v for k, v in schema.items() if k not in DEFINITIONS}
+        schema = {"type": "array", "items": inner, "minItems": 1, "maxItems": 1, **_definitions(schema)}
     before, after = AROUND[family]
     return f"{_text(before, tokens)} {_arguments(schema)} {_text(after, tokens)}"
 

@@ -65,7 +65,7 @@ CASES = [
     ("unknown stream option", CHAT, {"model": MODEL_NAME, "messages": USER, "stream_options": {"x": 1}}, 400, "stream_options.x"),
     ("unknown model", CHAT, {"model": "gpt-4", "messages": USER}, 404, "model"),
     ("missing prompt", COMPLETIONS, {"model": MODEL_NAME}, 400, None),
-    ("nested prompt", COMPLETIONS, {"model": MODEL_NAME, "prompt": [[1, 2]]}, 400, "prompt[0]"),
+    ("several token prompts", COMPLETIONS, {"model": MODEL_NAME, "prompt": [[1, 2], [3]]}, 400, "prompt"),
     ("several prompts", COMPLETIONS, {"model": MODEL_NAME, "prompt": ["a", "b"]}, 400, "prompt"),
     ("token id outside vocabulary", COMPLETIONS, {"model": MODEL_NAME, "prompt": [1, 10**6]}, 400, "prompt"),
     ("negative token id", COMPLETIONS, {"model": MODEL_NAME, "prompt": [-1]}, 400, "prompt"),

@@ -82,3 +82,19 @@ def test_a_tagged_format_reads_an_odd_schema_leniently(tokenizer, family, parame
     tokens = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
     assert forced_tool_call_grammar([tool], family, tokens)
+
+
+@pytest.mark.parametrize("family", sorted(CALLS))
+def test_definitions_a_schema_refers_to_stay_within_reach(tokenizer, family):
+    """Pydantic's and MCP's tool schemas keep types in `$defs` and point at them
+    with `$ref`; the grammar of a call puts the parameters inside a schema of
+    its own, whose root must still hold them (was a 400: "Pointer '/$defs/Days'
+    does not exist")."""
+    parameters = {**TOOL["function"]["parameters"], "$defs": {"Days": {"type": "integer", "minimum": 1}}}
+    parameters["properties"] = {**parameters["properties"], "days": {"$ref": "#/$defs/Days"}}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+    tokens = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
+    grammar = forced_tool_call_grammar([tool], family, tokens)
+    _, text = CALLS[family]
+    assert accepts(tokenizer, grammar, text)
+    assert not accepts(tokenizer, grammar, text.replace("3", '"three"', 1))
