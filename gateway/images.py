@@ -14,12 +14,14 @@ import base64
 import binascii
 import io
 import re
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from PIL import Image
+import numpy as np
+from PIL import Image, ImageOps
 
 from gateway.errors import APIError
 from gateway.settings import GatewaySettings
@@ -110,13 +112,25 @@ class ImageLoader:
                            code="image_fetch_failed") from None
 
     def _download(self, url: str, timeout: float, param: str) -> bytes:
+        """The image's bytes, read as they come until the deadline: the caller
+        stops waiting then, and so does this thread (the socket's own timeout
+        is per read: a server sending a byte at a time would hold it)."""
         limit = self.settings.max_image_bytes
+        deadline = time.monotonic() + timeout
+        chunks: list[bytes] = []
         try:
             with _opener.open(urllib.request.Request(url, headers={"User-Agent": "mlxd"}), timeout=timeout) as r:
-                data = r.read(limit + 1)
+                while (size := sum(map(len, chunks))) <= limit and time.monotonic() < deadline:
+                    if not (chunk := r.read1(min(1 << 16, limit + 1 - size))):
+                        break
+                    chunks.append(chunk)
         except (urllib.error.URLError, OSError, ValueError) as e:
             raise APIError(400, f"could not fetch the image at {url}: {e}", param=param,
                            code="image_fetch_failed") from None
+        if time.monotonic() >= deadline:
+            raise APIError(400, f"the image at {url} did not arrive within {timeout:g}s", param=param,
+                           code="image_fetch_failed")
+        data = b"".join(chunks)
         if len(data) > limit:
             raise APIError(413, f"the image at {url} is larger than this server's limit of {limit} bytes",
                            param=param, code="image_too_large")
@@ -138,6 +152,19 @@ class ImageLoader:
                                 "per image", param=param, code="image_too_large")
         try:
             image.load()
+            return _rgb(ImageOps.exif_transpose(image))  # a phone's photo, upright as its EXIF says
         except (OSError, SyntaxError, ValueError):
             raise APIError(400, "the image is corrupt or truncated", param=param, code="invalid_image") from None
-        return image.convert("RGB")
+
+
+def _rgb(image: Image.Image) -> Image.Image:
+    """The image in 8-bit RGB, as processors take it: 16-bit greys scaled
+    (a plain conversion clips them to white), transparent pixels on white (as
+    transformers' own conversion does; a plain one shows the colour they hold,
+    often black)."""
+    if image.mode in ("I", "I;16", "I;16B", "I;16L"):
+        image = Image.fromarray((np.asarray(image).astype(np.uint32) >> 8).clip(0, 255).astype(np.uint8))
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
+    return image.convert("RGB")

@@ -194,6 +194,14 @@ class Tokenizer:
             # of a second or more, thread or not) and skips the offsets nobody reads.
             return Prompt(text, self.rust.encode_batch_fast([text], add_special_tokens=False)[0].ids)
         assert self.processor is not None, "images reach only a vision model's tokenizer"
+        # Some templates leave out the images of some messages (Gemma 3's and Mistral's
+        # of a system message), and some processors then fill the placeholders left
+        # with the first images: the model would be shown another image than asked.
+        placeholder = getattr(self.processor, "boi_token", None) or getattr(self.processor, "image_token", None)
+        if isinstance(placeholder, str) and placeholder and (placed := text.count(placeholder)) != len(images):
+            raise PromptError(f"the model's chat template placed {placed} of the request's {len(images)} images "
+                              "in the prompt (templates leave out images in some messages, such as a system "
+                              "message's); send images in user messages")
         try:
             out = self.processor(text=[text], images=images, return_tensors="np", add_special_tokens=False)
         except (ValueError, TypeError) as e:

@@ -59,20 +59,23 @@ class UnsupportedVisionModel(ValueError):
 def load_vision_model(path: Path) -> tuple[nn.Module, int]:
     """The mlx-vlm model at `path` and its image placeholder token id."""
     try:
-        from mlx_vlm.utils import load_model
+        from mlx_vlm.utils import get_model_type, load_model
     except ImportError:
         raise UnsupportedVisionModel(f"{path} is a vision model, which needs mlx-vlm (`make install` installs it)") from None
-    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    config = json.loads((path / "config.json").read_text())
+    if "model_file" in config:  # mlx-vlm would run that file's code, with no trust asked (mlx-lm asks)
+        raise UnsupportedVisionModel(f"{path / 'config.json'} names a model_file of Python code to run; "
+                                     "mlxd does not run a model directory's own code")
+    model_type = get_model_type(config)  # as mlx-vlm reads it: its architectures may name another family
     if model_type not in VISION_FAMILIES:
         raise UnsupportedVisionModel(
             f"{path} is a {model_type!r} vision model; mlxd serves the vision families "
             f"{', '.join(sorted(VISION_FAMILIES))} (the README's Images section says why others are refused)"
         )
     model = load_model(path)
-    config = model.config
-    image_token_id = getattr(config, "image_token_index", None)
+    image_token_id = getattr(model.config, "image_token_index", None)
     if image_token_id is None:
-        image_token_id = getattr(config, "image_token_id", None)
+        image_token_id = getattr(model.config, "image_token_id", None)
     if image_token_id is None:
         raise UnsupportedVisionModel(f"{path / 'config.json'} names no image token (image_token_index)")
     return model, image_token_id

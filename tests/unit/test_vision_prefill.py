@@ -6,6 +6,7 @@ The engine and mlx-vlm run here in-process, on the tiny fixtures."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import mlx.core as mx
@@ -232,6 +233,17 @@ def test_an_untested_family_is_refused_at_load_naming_the_served_ones(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "paligemma", "vision_config": {}}')
     with pytest.raises(UnsupportedVisionModel, match="'paligemma' vision model; mlxd serves the vision families "
                                                      "gemma3, idefics3, llava, mistral3, qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm"):
+        load_vision_model(tmp_path)
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "llava", "vision_config": {}, "model_file": "evil.py"},  # mlx-vlm would run it
+    {"model_type": "llava", "vision_config": {}, "architectures": ["Lfm2BidirectionalForMaskedLM"]},
+])
+def test_a_config_that_makes_mlx_vlm_load_something_else_is_refused(tmp_path, config):
+    (tmp_path / "evil.py").write_text("raise SystemExit('ran the model directory\'s code')")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedVisionModel):
         load_vision_model(tmp_path)
 
 

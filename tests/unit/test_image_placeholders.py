@@ -1,0 +1,47 @@
+"""A template that leaves an image out of the prompt is a clear 400, never
+another image in its place (some processors fill the placeholders left with
+the first images)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.tiny_vision_model import IMAGE_TEXT, chat_template, make_tiny_vision_model
+
+# Run apart: the gateway never imports mlx-vlm, whose import (here, by the
+# fixtures) registers processors of its own with transformers.
+PROMPTS = """
+import json, sys
+from pathlib import Path
+from PIL import Image
+from gateway.tokenizer import PromptError, Tokenizer
+
+path = Path(sys.argv[1])
+tokenizer = Tokenizer({p.name: p.read_bytes() for p in path.iterdir() if p.suffix != ".safetensors"}, vision=True)
+images = [Image.new("RGB", (28, 28), "red"), Image.new("RGB", (28, 28), "blue")]
+image = [{"type": "image"}, {"type": "text", "text": "this"}]
+out = []
+for first in ("user", "system"):
+    try:
+        tokenizer.chat_prompt([{"role": first, "content": image}, {"role": "user", "content": image}], images=images)
+        out.append("ok")
+    except PromptError as e:
+        out.append(str(e))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "gemma3", "idefics3", "mistral3"])
+def test_an_image_the_template_leaves_out_is_a_clear_error(tmp_path, family):
+    path = make_tiny_vision_model(tmp_path / family, family=family)
+    # As Gemma 3's and Mistral's templates do: a system message keeps only its text.
+    template = chat_template(IMAGE_TEXT[family]).replace(
+        "{% if part['type'] == 'image' %}", "{% if part['type'] == 'image' and message['role'] != 'system' %}")
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    run = subprocess.run([sys.executable, "-c", PROMPTS, str(path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    both_asked, one_left_out = json.loads(run.stdout)
+    assert both_asked == "ok"
+    assert "placed 1 of the request's 2 images" in one_left_out
