@@ -22,7 +22,6 @@ Each command has --help.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import logging
 import os
 import shutil
@@ -34,6 +33,7 @@ import msgspec
 
 from gateway.settings import GatewaySettings, PoolSettings
 from protocol import PROTOCOL_VERSION
+from protocol.packages import MLX_PACKAGES, installed_version
 from protocol.settings import add_arguments, parse_settings, resolve
 from protocol.worker_settings import WorkerSettings, announced_name
 
@@ -64,15 +64,8 @@ def _configure_logging(level: str) -> None:
 
 
 def version() -> str:
-    packages = ", ".join(f"{name} {_installed(name)}" for name in ("mlx", "mlx-lm", "mlx-vlm"))
-    return f"mlxd {_installed('mlxd')} (protocol {PROTOCOL_VERSION}; {packages})"
-
-
-def _installed(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
+    packages = ", ".join(f"{name} {installed_version(name)}" for name in MLX_PACKAGES)
+    return f"mlxd {installed_version('mlxd')} (protocol {PROTOCOL_VERSION}; {packages})"
 
 
 def gateway_main(argv: list[str]) -> int:

@@ -22,6 +22,7 @@ import mlx.core as mx
 import zmq
 
 from protocol import EXIT_LOAD_FAILED, PROTOCOL_VERSION, Hello, LoadFailed, encode
+from protocol.packages import MLX_PACKAGES, installed_version
 from protocol.worker_settings import WorkerSettings, model_source, split_model
 from worker.audit import AffinityAudit
 from worker.collective import RankChannel, RankState, summed_footprint, this_rank
@@ -189,10 +190,13 @@ def _stop_with_parent(parent_pid: int | None) -> None:
 
 
 def model_identity(loaded: LoadedModel) -> bytes:
-    """What KV state on disk is filed under: the weights' digest and the
-    tokenizer's files (its chat template among them), so that blocks of
-    another model, quantization or template never match."""
+    """What KV state on disk is filed under: the weights' digest, the
+    tokenizer's files (its chat template among them) and the versions of the
+    MLX packages that compute the state, so that blocks of another model,
+    quantization or template, or of a model's code before an upgrade, never match."""
     identity = hashlib.sha256(loaded.digest.encode())
+    for package in MLX_PACKAGES:
+        identity.update(f"{package}={installed_version(package)}\0".encode())
     for name, data in sorted(loaded.tokenizer_files.items()):
         identity.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
     return identity.digest()
