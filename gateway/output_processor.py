@@ -145,9 +145,9 @@ class RequestState:
         return Delta(text, self.index, reasoning, calls, finish, stop, logprobs)
 
     def _token_infos(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> list[TokenInfo]:
-        decode = self._tokenizer.decode
+        text = self._tokenizer.token_text
         return [
-            TokenInfo(decode([t]), lp.logprob, [(decode([a]), alp) for a, alp in zip(lp.top_ids, lp.top_logprobs)])
+            TokenInfo(text(t), lp.logprob, [(text(a), alp) for a, alp in zip(lp.top_ids, lp.top_logprobs)])
             for t, lp in zip(token_ids, logprobs)
         ]
 

@@ -227,6 +227,16 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.rust.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    @functools.lru_cache(maxsize=1 << 16)  # noqa: B019 (one tokenizer a model, kept while it is served)
+    def token_text(self, token_id: int) -> str:
+        """One token's text as it reads inside a text (logprobs' tokens): a
+        SentencePiece tokenizer decodes a word's token alone without its
+        leading space, so it is decoded after a plain letter and that is taken off."""
+        anchor = self.rust.token_to_id("a")
+        if anchor is None:
+            return self.decode([token_id])
+        return self.decode([anchor, token_id]).removeprefix(self.decode([anchor]))
+
     @functools.cached_property
     def tool_family(self) -> str:
         return detect_tool_family(self._tok.chat_template or "")

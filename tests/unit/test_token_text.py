@@ -1,0 +1,28 @@
+"""Logprobs' tokens read as they do inside the text, leading spaces included."""
+
+import json
+
+import pytest
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from gateway.tokenizer import Tokenizer
+from tests.tiny_model import CORPUS, train_tokenizer
+
+
+def sentencepiece_like() -> RustTokenizer:
+    """Llama 2's and Mistral's kind: words carry their space as "▁", dropped from a text's start."""
+    tok = RustTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=384, show_progress=False))
+    return tok
+
+
+@pytest.mark.parametrize("rust", [sentencepiece_like(), train_tokenizer()], ids=["sentencepiece", "byte-level"])
+def test_a_words_token_keeps_its_leading_space(rust):
+    tokenizer = Tokenizer({"tokenizer.json": rust.to_str().encode(),
+                           "tokenizer_config.json": json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}).encode()})
+    ids = rust.encode("the cat").ids
+    pieces = [tokenizer.token_text(i) for i in ids]
+    assert "".join(pieces).strip() == "the cat" and any(p.startswith(" ") for p in pieces)
