@@ -191,7 +191,8 @@ class Engine:
         cache, reused = self.prefix_cache.take(key) if self.prefix_cache else (None, 0)
         admitted = Admitted(request.request_id, s.logprobs, reused)
         # None is mlx-lm's "none" for a sampler (the batch's argmax), though its type hints do not say so.
-        joining = Joining(admitted, max_tokens, make_sampler(s, self.vocab_size), processors,  # type: ignore[arg-type]
+        sampler = make_sampler(s, self.vocab_size, request.generated_tokens)
+        joining = Joining(admitted, max_tokens, sampler, processors,  # type: ignore[arg-type]
                           StopSequences([[t] for t in stop_ids]))
         if vision is not None and images is not None:
             try:

@@ -50,6 +50,19 @@ def test_a_constrained_request_resumed_part_way_goes_on_where_it_was(loaded):
         assert whole[:k] + rest == whole
 
 
+def test_a_seeded_sampled_request_resumed_part_way_goes_on_as_it_would_have(loaded):
+    """The same seed gives the same tokens: a resumed request's next token
+    takes the random key it would have taken (it took the first key again)."""
+    prompt = loaded.hf_tokenizer.encode("Once upon a time")
+    sampling = Sampling(max_tokens=16, temperature=1.5, seed=7, ignore_eos=True)
+    whole = answers(engine_for(loaded), AddRequest("a", prompt, sampling))["a"]
+    assert len(set(whole)) > 4  # sampled, not one token over and over
+    k = 6
+    rest = answers(engine_for(loaded), AddRequest("a", prompt + whole[:k], Sampling(
+        max_tokens=16 - k, temperature=1.5, seed=7, ignore_eos=True), generated_tokens=k))["a"]
+    assert whole[:k] + rest == whole
+
+
 def test_tokens_off_the_grammar_are_refused_on_resuming(loaded):
     grammar = llguidance.grammar_from("lark", f'start: "{SENTENCE}"')
     prompt = loaded.hf_tokenizer.encode("Once upon a time")
