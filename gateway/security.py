@@ -129,6 +129,7 @@ class Guard:
         self.admin_keys = KeyRing(settings.admin_key, None, kind="admin keys")
         self.loopback = is_loopback(settings.host)
         self.allowed_hosts = LOOPBACK_NAMES | {h.lower() for h in settings.allowed_host}
+        self.origins = {o.encode() for o in settings.cors_origin}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -141,11 +142,14 @@ class Guard:
             return await _reject(scope, send, 403, "this Host is not allowed; add it with --allowed-host",
                                  "host_not_allowed")
         path = scope["path"]
-        if path.startswith("/admin/") and scope["method"] not in ("GET", "HEAD") and cross_site(headers):
-            # A page elsewhere must not act through an operator's browser (a
-            # form posts without preflight, and without keys no key stops it).
-            return await _reject(scope, send, 403, "an /admin action must come from this server's own page or "
-                                 "from a client that is not a browser", "cross_site_request")
+        if scope["method"] not in ("GET", "HEAD", "OPTIONS") and cross_site(headers) and (
+                path.startswith("/admin/") or not self.keys.enabled and headers.get(b"origin") not in self.origins):
+            # A page elsewhere must not act through a browser on this network (a
+            # form posts without preflight, and without keys no key stops it):
+            # generate, or load and unload models through Ollama's keep_alive.
+            return await _reject(scope, send, 403, "an action must come from this server's own page, a page of "
+                                 "an origin --cors-origin allows, or a client that is not a browser",
+                                 "cross_site_request")
         presented = presented_key(headers)
         key_id = self.keys.identify(presented) if self.keys.enabled else None
         if path == "/metrics" and (self.keys.enabled or self.metrics_keys.enabled):

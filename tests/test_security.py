@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -327,3 +328,17 @@ def test_anthropic_routes_take_x_api_key_and_answer_in_anthropic_shape(keyed):
     assert refused.status_code == 401
     assert refused.json() == {"type": "error", "error": {"type": "authentication_error", "message": refused.json()["error"]["message"]}}
     assert keyed.http.post("/v1/messages", json=body, headers={"x-api-key": "flag-key-1"}).status_code == 200
+
+
+def test_without_keys_a_page_elsewhere_cannot_act_through_a_browser(server):
+    """A form posted from another origin needs no preflight: it would generate, or unload models via keep_alive."""
+    body = json.dumps({"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1})
+    for headers in ({"Origin": "https://evil.example"}, {"Sec-Fetch-Site": "cross-site"}):
+        for path in ("/v1/completions", "/api/generate"):
+            response = server.http.post(path, content=body, headers={**headers, "content-type": "text/plain"})
+            assert response.status_code == 403, path
+            error = response.json()["error"]  # each API's own shape: Ollama's is the message
+            assert "a client that is not a browser" in (error if isinstance(error, str) else error["message"])
+    assert server.http.post("/v1/completions", content=body).status_code == 200  # curl, SDKs: no such headers
+    same_origin = {"Origin": server.url, "Sec-Fetch-Site": "same-origin"}
+    assert server.http.post("/v1/completions", content=body, headers=same_origin).status_code == 200
