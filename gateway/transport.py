@@ -99,6 +99,12 @@ class _Reader:
         self._loop.remove_reader(self._socket.FD)
 
 
+# The largest frame a worker sends: a Hello with its tokenizer's and
+# processor's files (tens of MB for the largest vocabularies), or embeddings
+# (2,048 vectors of 8,192 floats: 64 MiB). A peer sending more is disconnected.
+MAX_FRAME_BYTES = 128 << 20
+
+
 class Transport:
     def __init__(self, endpoint: str, curve_secret_key: str | None = None,
                  curve_authorized_keys: str | None = None) -> None:
@@ -116,6 +122,9 @@ class Transport:
         # instead of vanishing: that is how a closed connection is tied to
         # its worker (see closed_connection).
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # ZeroMQ reads a whole frame before CURVE has checked who sent it: a
+        # peer on the network without a key could make it hold gigabytes.
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._frames: _Reader | None = None
         self._closes: _Reader | None = None

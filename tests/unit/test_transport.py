@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import zmq
 
-from gateway.transport import Transport
+from gateway.transport import MAX_FRAME_BYTES, Transport
 from protocol import Welcome
 
 
@@ -131,3 +131,30 @@ def test_once_stopped_no_message_is_handed_over(tmp_path):
         return handled
 
     assert asyncio.run(gateway()) == []
+
+
+def test_a_frame_past_the_limit_costs_its_sender_the_connection_not_the_gateway_its_memory(tmp_path):
+    """ZeroMQ reads a frame whole before CURVE checks its sender: without a
+    limit, a peer with no key could make the gateway hold gigabytes."""
+    endpoint = f"ipc://{tmp_path}/link/w.sock"
+
+    async def gateway() -> list[bytes]:
+        transport = Transport(endpoint)
+        transport.bind()
+        received: list[bytes] = []
+        transport.listen(lambda identity, frame: received.append(frame))
+        try:
+            with worker_socket(endpoint) as socket:
+                socket.send(bytes(MAX_FRAME_BYTES + 1))
+                await asyncio.sleep(2)
+            with worker_socket(endpoint) as socket:
+                socket.send(b"hello")
+                for _ in range(100):
+                    if received:
+                        break
+                    await asyncio.sleep(0.05)
+            return received
+        finally:
+            transport.close()
+
+    assert asyncio.run(gateway()) == [b"hello"]
