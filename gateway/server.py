@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -10,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings, PoolSettings
@@ -54,6 +56,44 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def headers_deadline(timeout_s: float) -> type[HttpToolsProtocol]:
+    """uvicorn's HTTP protocol, closing a connection whose request headers
+    have not all come within `timeout_s` of its opening or of the request's
+    first byte. uvicorn waits for them for good: a host on the network, with
+    no key (keys are read from the headers), could hold every file descriptor
+    the gateway may open with connections that never finish a request."""
+
+    class HeadersDeadline(HttpToolsProtocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._deadline is None:
+                self._deadline = self.loop.call_later(timeout_s, self.transport.close)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+    return HeadersDeadline
+
+
 def run_gateway(settings: GatewaySettings, worker_settings: Sequence[WorkerSettings] = (),
                 pool_settings: PoolSettings | None = None) -> int:
     app = create_app(settings, worker_settings, pool_settings)
@@ -68,7 +108,7 @@ def run_gateway(settings: GatewaySettings, worker_settings: Sequence[WorkerSetti
         # fewer tokens/s (tests/bench/cpu_share.py, 2026-11-25).
         loop="asyncio",
         # uvicorn's C parser: measured 3-13% less gateway CPU per streamed token than h11.
-        http="httptools",
+        http=headers_deadline(settings.body_timeout_s),
         # A backstop only: the drain itself ends every stream after drain_s.
         timeout_graceful_shutdown=int(settings.drain_s) + 3,
     )

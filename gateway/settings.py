@@ -68,7 +68,7 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     ] = []
     cors_origin: Annotated[list[str], Meta(description="a browser origin allowed by CORS (default: none)")] = []
     max_body_bytes: Annotated[int, Meta(ge=1, description="largest request body accepted (413 beyond)")] = 8 << 20
-    body_timeout_s: Annotated[float, Meta(gt=0, description="time a client has to send its body (408 beyond)")] = 30.0
+    body_timeout_s: Annotated[float, Meta(gt=0, description="time a client has to send a request's headers (the connection is closed beyond) and its body (408 beyond)")] = 30.0
     request_timeout_s: Annotated[
         float, Meta(ge=0, description="longest a generation may run before it is aborted; 0: no limit")
     ] = 600.0

@@ -52,6 +52,8 @@ def test_plists_carry_the_keys_launchd_needs(tmp_path, system):
         if system:
             assert plist["StandardOutPath"].startswith("/Library/Logs/")
     assert worker["ProcessType"] == "Interactive"
+    # A connection is a descriptor: launchd's default 256 would cap the LAN's streams.
+    assert gateway["SoftResourceLimits"]["NumberOfFiles"] >= 4096
     assert gateway["EnvironmentVariables"]["MLXD_PORT"] == "8123"
     assert worker["EnvironmentVariables"]["MLXD_MODEL"] == "some/model"
     assert "MLXD_MODEL" not in gateway["EnvironmentVariables"]

@@ -8,6 +8,7 @@ import signal
 import socket
 import stat
 import subprocess
+import time
 
 import httpx
 import pytest
@@ -170,6 +171,15 @@ def test_limits(tiny_model, tmp_path):
                          b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"")
             sock.settimeout(5)
             assert sock.recv(100).startswith(b"HTTP/1.1 408")
+
+        # Connections that never finish their headers (or never start them) are closed: each holds a descriptor,
+        # and without a key (read from the headers) nothing else stops a host on the network from opening them.
+        for opening in (b"", b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"):
+            with socket.create_connection(("127.0.0.1", server.port)) as sock:
+                sock.sendall(opening)
+                sock.settimeout(5)
+                started = time.monotonic()
+                assert sock.recv(100) == b"" and time.monotonic() - started < 3, opening
 
         # Over the total request time: aborted, in the worker too.
         long = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True}
