@@ -16,6 +16,7 @@ from gateway.openai_schema import Embedding, EmbeddingList, EmbeddingRequest, Em
 from gateway.plan import keep_alive_seconds
 from gateway.pool import Unavailable
 from gateway.responses import MsgspecResponse
+from gateway.security import check_keep_alive
 from gateway.serving import Serving, tokenize, unavailable
 from gateway.worker_link import WorkerRejected, WorkerState, WorkerUnavailable
 
@@ -54,7 +55,8 @@ class EmbeddingsAPI:
         serving = self.serving
         if not inputs or any(len(i) == 0 for i in inputs):
             raise APIError(400, "an input is empty" if inputs else "there is no input", param="input")
-        lease, worker = await serving.lease(model, keep_alive_seconds(keep_alive))
+        check_keep_alive(request, keep_alive_s := keep_alive_seconds(keep_alive))
+        lease, worker = await serving.lease(model, keep_alive_s)
         release = None
         try:
             token_lists = [await self._tokens(worker, i) for i in inputs]

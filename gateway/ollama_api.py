@@ -58,6 +58,7 @@ from gateway.plan import (
     tool_definitions,
 )
 from gateway.responses import NDJSON, MsgspecResponse
+from gateway.security import check_keep_alive
 from gateway.serving import OLLAMA_DEFAULT_TAG, Choice, Serving
 
 # The Ollama release whose API this follows: clients check it before using newer features.
@@ -254,7 +255,7 @@ class OllamaAPI:
     async def chat(self, request: Request) -> Response:
         body = decode_ollama(await self.serving.read_body(request), ChatRequest)
         if not body.messages:
-            return await self._load_or_unload(body.model, body.keep_alive, ChatOutput(body.model, 0.0))
+            return await self._load_or_unload(request, body.model, body.keep_alive, ChatOutput(body.model, 0.0))
         renderer = ChatOutput(body.model, request.scope["state"]["arrived"])
         return await self.serving.respond(request, plan(body.model, chat_input(body.messages, body.think),
                                                         body.options, body.format, body.tools, body.stream,
@@ -270,7 +271,7 @@ class OllamaAPI:
             if value:
                 raise APIError(400, f"{name}: {why}", param=name)
         if not body.prompt and not body.images:
-            return await self._load_or_unload(body.model, body.keep_alive, GenerateOutput(body.model, 0.0))
+            return await self._load_or_unload(request, body.model, body.keep_alive, GenerateOutput(body.model, 0.0))
         prompt: ChatInput | str
         if body.raw:
             if body.images:
@@ -283,9 +284,11 @@ class OllamaAPI:
         return await self.serving.respond(request, plan(body.model, prompt, body.options, body.format, None,
                                                         body.stream, body.keep_alive, "prompt"), renderer)
 
-    async def _load_or_unload(self, model: str, keep_alive: str | float | None, output: _Output) -> Response:
+    async def _load_or_unload(self, request: Request, model: str, keep_alive: str | float | None,
+                              output: _Output) -> Response:
         """Ollama's way to load a model (an empty prompt) or, with keep_alive 0, to unload it."""
         serving = self.serving
+        check_keep_alive(request, keep_alive_seconds(keep_alive))
         if keep_alive_seconds(keep_alive) == 0:
             name = serving.served_name(model, serving.model_names())
             pooled = serving.pool.find(name)

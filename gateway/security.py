@@ -9,12 +9,14 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import math
 import time
 from pathlib import Path
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.errors import error_payload
+from gateway.errors import APIError, error_payload
 from gateway.settings import GatewaySettings
 
 log = logging.getLogger("mlxd.gateway.security")
@@ -168,6 +170,9 @@ class Guard:
         state = scope.setdefault("state", {})
         state["authenticated"] = key_id is not None or not self.keys.enabled
         state["client_id"] = key_id or (scope.get("client") or ("?",))[0]
+        # Unloading and pinning models is the admin keys' where there are any (on
+        # /admin/*); a request's keep_alive could unload its model (0) or keep it for good (negative).
+        state["manages_models"] = not self.admin_keys.enabled
         return await self.app(scope, receive, send)
 
     def _host_allowed(self, host: bytes) -> bool:
@@ -177,6 +182,15 @@ class Guard:
         else:
             name = name.rsplit(":", 1)[0]
         return name in self.allowed_hosts
+
+
+def check_keep_alive(request: Request, keep_alive_s: float | None) -> None:
+    """A keep_alive that unloads the model (0) or keeps it loaded for good
+    (negative) is an operator's act: with admin keys, a 403 for the API keys."""
+    if keep_alive_s in (0, math.inf) and not request.scope.get("state", {}).get("manages_models", True):
+        raise APIError(403, "on this server, unloading a model (keep_alive 0) or keeping it loaded for good (a "
+                            "negative keep_alive) takes an admin key: POST /admin/models/{name}/unload or /pin",
+                       param="keep_alive", code="admin_key_required")
 
 
 def cross_site(headers: dict[bytes, bytes]) -> bool:

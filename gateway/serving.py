@@ -37,6 +37,7 @@ from gateway.parsing import ToolCall, stream_parsers
 from gateway.plan import ChatInput, DocumentStart, Plan
 from gateway.pool import RETRY_AFTER_S, Lease, ModelPool, Unavailable
 from gateway.responses import EventStream, MsgspecResponse
+from gateway.security import check_keep_alive
 from gateway.settings import GatewaySettings
 from gateway.structured import FAMILY_OF_PARSER
 from gateway.tokenizer import Prompt, PromptError
@@ -277,6 +278,7 @@ class Serving:
 
     async def respond(self, request: Request, plan: Plan, renderer: Renderer) -> Response:
         """Serve one API request: SSE events or one body, written by the renderer."""
+        check_keep_alive(request, plan.keep_alive_s)
         lease, worker = await self.lease(plan.model, plan.keep_alive_s)
         ready_at = time.monotonic()
         streaming = False  # once a stream is open, its generate releases the lease when it ends

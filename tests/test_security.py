@@ -352,3 +352,20 @@ def test_without_keys_a_page_elsewhere_cannot_act_through_a_browser(server):
     assert server.http.post("/v1/completions", content=body).status_code == 200  # curl, SDKs: no such headers
     same_origin = {"Origin": server.url, "Sec-Fetch-Site": "same-origin"}
     assert server.http.post("/v1/completions", content=body, headers=same_origin).status_code == 200
+
+
+def test_with_admin_keys_no_api_key_unloads_or_pins_through_keep_alive(tiny_model, tmp_path):
+    """keep_alive 0 unloads a model and a negative one keeps it loaded for good: an operator's acts,
+    which --admin-key keeps to its holders (on /admin/*), through every API's keep_alive too."""
+    server = serve(tiny_model, tmp_path, "--api-key", "user-key", "--admin-key", "admin-key")
+    user, admin = {"Authorization": "Bearer user-key"}, {"Authorization": "Bearer admin-key"}
+    try:
+        unload = {"model": MODEL_NAME, "keep_alive": 0}
+        refused = server.http.post("/api/generate", json=unload, headers=user)
+        assert refused.status_code == 403 and "admin key" in refused.json()["error"]
+        forever = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1, "keep_alive": -1}
+        assert_error(server.http.post("/v1/completions", json=forever, headers=user), 403, "admin_key_required")
+        assert server.http.post("/v1/completions", json=dict(forever, keep_alive="5m"), headers=user).status_code == 200
+        assert server.http.post(f"/admin/models/{MODEL_NAME}/unload", headers=admin).status_code == 200
+    finally:
+        server.stop()
