@@ -184,15 +184,16 @@ class OutputProcessor:
         """The running requests (a copy: ending one while iterating is fine)."""
         return iter(list(self._requests.values()))
 
-    def process(self, step: StepOutput) -> list[str]:
+    def process(self, step: StepOutput, sender: bytes) -> list[str]:
         """Deliver one worker step's outputs; return the ids to abort in the worker:
         those that met a stop string, failed to render, or ended here before."""
         aborts = []
         for output in step.outputs:
             state = self._requests.get(output.request_id)
-            if state is None:
-                # Ended here already (aborted, failed): told again, for the worker
-                # may not have heard (an Abort sent while its tcp connection was down).
+            if state is None or state.worker != sender:
+                # Ended here already (aborted, failed), or moved on to another worker:
+                # told again, for the worker may not have heard (an Abort sent while
+                # its tcp connection was down, or none at all to a worker given up on).
                 if output.finish_reason is None:
                     aborts.append(output.request_id)
                 continue

@@ -148,6 +148,7 @@ class WorkerLink:
         # --hung-worker-s; `mlxd serve` kills it there and starts another.
         self.on_unhealthy = on_unhealthy
         self.workers: dict[bytes, WorkerState] = {}  # by identity, oldest first
+        self._given_up: set[bytes] = set()  # workers lost to liveness, refused should they speak again
         self.served_model_name = list(served_model_name)
         # The last worker that could not load its model, until one is accepted.
         self.load_failure: LoadFailed | None = None
@@ -350,7 +351,12 @@ class WorkerLink:
             self._reject(identity, frame, e)
             return
         if isinstance(message, Hello):
-            if identity in self.workers:
+            if identity in self._given_up:
+                # Back from a partition it was given up on, its engine may still run
+                # requests that moved on: it restarts afresh rather than answer twice.
+                self._send(identity, Refused("the gateway gave up on this worker while it was unreachable; "
+                                             "its requests went on elsewhere"))
+            elif identity in self.workers:
                 # Our Welcome crossed its retry: answered now, so that a Goodbye
                 # right behind it finds no answer still to come.
                 self._send(identity, Welcome(message.epoch))
@@ -380,13 +386,14 @@ class WorkerLink:
                 self.transport.send(identity, Abort([o.request_id for o in message.outputs]))
             return
         if isinstance(message, StepOutput):
-            aborts = self.outputs.process(message)
+            aborts = self.outputs.process(message, identity)
             if aborts:
                 self._send(w.identity, Abort(aborts))
         elif isinstance(message, Error):
-            self._on_error(message)
+            self._on_error(message, identity)
         elif isinstance(message, Embeddings):
-            if (pending := self._embeds.get(message.request_id)) is not None and not pending[1].done():
+            pending = self._embeds.get(message.request_id)
+            if pending is not None and pending[0] == identity and not pending[1].done():
                 pending[1].set_result(message)
         elif isinstance(message, Draining):
             w.vitals.draining = True
@@ -523,8 +530,11 @@ class WorkerLink:
             self.on_unhealthy(w.hello.pid)
         if verdict.give_up:
             # Its requests move on to the next worker (or fail after
-            # --worker-wait-s) rather than wait for it forever.
+            # --worker-wait-s) rather than wait for it forever; should it
+            # come back (a partition healed), it is refused (see _on_message).
             self._lose_worker(w, f"{verdict.state.value} for {verdict.unhealthy_for:.0f}s", handed_back=set())
+            self._given_up.add(w.identity)
+            self._send(w.identity, Refused("the gateway gave up on this worker: it was unresponsive"))
 
     def _update_ready(self) -> None:
         if any(w.ready for w in self.workers.values()):
@@ -554,15 +564,18 @@ class WorkerLink:
             if w.hello.pid == pid:
                 self._lose_worker(w, f"its process exited with status {status}", handed_back=set())
 
-    def _on_error(self, error: Error) -> None:
+    def _on_error(self, error: Error, identity: bytes) -> None:
+        """A worker's error about a request: only the request's own worker's counts."""
         if error.request_id is None:
             log.warning("the worker could not read a message: %s", error.message)
             return
         if (pending := self._embeds.get(error.request_id)) is not None:
-            if not pending[1].done():
+            if pending[0] == identity and not pending[1].done():
                 pending[1].set_exception(WorkerRejected(error.message))
             return
-        self.outputs.fail(error.request_id, f"the worker rejected the request: {error.message}", 500)
+        state = self.outputs.get(error.request_id)
+        if state is not None and state.worker == identity:
+            self.outputs.fail(error.request_id, f"the worker rejected the request: {error.message}", 500)
 
     def _lose_worker(self, w: WorkerState, why: str, handed_back: set[str]) -> None:
         if self.workers.pop(w.identity, None) is None:

@@ -13,9 +13,14 @@ def tokenizer(tiny_model) -> Tokenizer:
     return Tokenizer({p.name: p.read_bytes() for p in tiny_model.iterdir() if p.suffix == ".json"})
 
 
+WORKER = b"worker-1"
+
+
 def stream(tokenizer: Tokenizer, request_id: str = "r1", stop: list[str] | None = None) -> RequestState:
     queue: asyncio.Queue[Delta] = asyncio.Queue()
-    return RequestState(request_id, queue, [1, 2], Sampling(max_tokens=100), tokenizer, stop or [])
+    state = RequestState(request_id, queue, [1, 2], Sampling(max_tokens=100), tokenizer, stop or [])
+    state.worker = WORKER  # running there
+    return state
 
 
 def drained(s: RequestState) -> list[Delta]:
@@ -34,8 +39,8 @@ def test_tokens_become_text_and_the_end_forgets_the_request(tokenizer):
     s = stream(tokenizer)
     processor.add(s)
     ids = tokenizer.encode_text("The quick brown fox")
-    assert processor.process(step(RequestOutput("r1", ids[:2]))) == []
-    assert processor.process(step(RequestOutput("r1", ids[2:], "length"))) == []
+    assert processor.process(step(RequestOutput("r1", ids[:2])), WORKER) == []
+    assert processor.process(step(RequestOutput("r1", ids[2:], "length")), WORKER) == []
     deltas = drained(s)
     assert "".join(d.text for d in deltas) == "The quick brown fox"
     assert deltas[-1].finish_reason == "length" and len(processor) == 0
@@ -47,7 +52,7 @@ def test_a_stop_string_ends_the_request_and_asks_for_an_abort(tokenizer):
     s = stream(tokenizer, stop=["brown"])
     processor.add(s)
     ids = tokenizer.encode_text("The quick brown fox jumps")
-    assert processor.process(step(RequestOutput("r1", ids))) == ["r1"]
+    assert processor.process(step(RequestOutput("r1", ids)), WORKER) == ["r1"]
     (delta,) = drained(s)
     assert delta.text == "The quick " and delta.stop_string == "brown" and delta.finish_reason == "stop"
     assert processor.get("r1") is None and s.status is RequestStatus.STOPPED
@@ -58,10 +63,20 @@ def test_outputs_for_unknown_or_ended_requests_reach_nobody_and_are_aborted_agai
     processor = OutputProcessor()
     s = stream(tokenizer)
     processor.add(s)
-    assert processor.process(step(RequestOutput("ghost", [5]))) == ["ghost"]
+    assert processor.process(step(RequestOutput("ghost", [5])), WORKER) == ["ghost"]
     assert processor.abort("r1") and s.status is RequestStatus.ABORTED
-    assert processor.process(step(RequestOutput("r1", [5]))) == ["r1"] and drained(s) == []
-    assert processor.process(step(RequestOutput("r1", [5], "length"))) == []  # it ended there too
+    assert processor.process(step(RequestOutput("r1", [5])), WORKER) == ["r1"] and drained(s) == []
+    assert processor.process(step(RequestOutput("r1", [5], "length")), WORKER) == []  # it ended there too
+
+
+def test_outputs_from_a_worker_the_request_moved_on_from_reach_nobody_and_are_aborted(tokenizer):
+    """A worker given up on (unreachable) may come back still running a request that resumed elsewhere."""
+    processor = OutputProcessor()
+    s = stream(tokenizer)
+    processor.add(s)
+    assert processor.process(step(RequestOutput("r1", [5])), b"worker-0") == ["r1"]
+    assert drained(s) == [] and processor.get("r1") is s
+    assert processor.process(step(RequestOutput("r1", [5])), WORKER) == [] and len(drained(s)) == 1
 
 
 def test_one_step_serves_every_request_in_it(tokenizer):
@@ -70,7 +85,7 @@ def test_one_step_serves_every_request_in_it(tokenizer):
     processor.add(a)
     processor.add(b)
     ids = tokenizer.encode_text("Paris")
-    processor.process(step(RequestOutput("a", ids, "length"), RequestOutput("b", ids)))
+    processor.process(step(RequestOutput("a", ids, "length"), RequestOutput("b", ids)), WORKER)
     assert "".join(d.text for d in drained(a)) == "Paris" and len(processor) == 1
     assert [x.request_id for x in processor] == ["b"]
 
@@ -168,11 +183,12 @@ class BrokenParser:
 def test_a_request_that_cannot_be_rendered_costs_no_other_its_output(tokenizer):
     processor = OutputProcessor()
     broken = RequestState("broken", asyncio.Queue(), [1, 2], Sampling(max_tokens=100), tokenizer, [], 0, BrokenParser())
+    broken.worker = WORKER
     fine = stream(tokenizer, "fine")
     processor.add(broken)
     processor.add(fine)
     ids = tokenizer.encode_text("The quick brown fox")
-    assert processor.process(step(RequestOutput("broken", ids), RequestOutput("fine", ids))) == ["broken"]
+    assert processor.process(step(RequestOutput("broken", ids), RequestOutput("fine", ids)), WORKER) == ["broken"]
     assert "".join(d.text for d in drained(fine)) == "The quick brown fox"
     (error,) = drained(broken)
     assert error.finish_reason == "error" and error.error_status == 500
