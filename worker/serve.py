@@ -233,15 +233,17 @@ class Worker(EngineRunner):
         input applied (by every rank of a group)."""
         step = GroupStep(checksum=self.checksum)
         buffers = []
-        # Aborts first: a request added and aborted in the same batch of
-        # messages never reaches the engine.
-        aborted = {r for m, _ in messages if isinstance(m, Abort) for r in m.request_ids}
+        # Aborts first (the engine applies them before the adds): a request
+        # added and then aborted in the same batch of messages never reaches
+        # the engine; one aborted and then added again (resumed) does.
+        last_abort = {r: i for i, (m, _) in enumerate(messages) if isinstance(m, Abort) for r in m.request_ids}
+        aborted = set(last_abort)
         if aborted:
             step.aborts.append(Abort(sorted(aborted)))
             self._embedding = deque(job for job in self._embedding if job.request.request_id not in aborted)
-        for message, tensors in messages:
+        for i, (message, tensors) in enumerate(messages):
             match message:
-                case AddRequest(request_id=request_id) if request_id in aborted:
+                case AddRequest(request_id=request_id) if last_abort.get(request_id, -1) > i:
                     pass
                 case AddRequest(request_id=request_id) if self.drain_deadline is not None:
                     self.handed_back.append(request_id)  # crossed our Draining on the wire

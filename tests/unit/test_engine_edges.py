@@ -99,3 +99,25 @@ def test_a_step_that_fails_part_way_leaves_no_request_unanswered(loaded):
     filed = len(cache._lru)
     assert sorted(engine.abort_all(failed=True)) == ["A", "B", "C"]
     assert len(cache._lru) == filed and not engine.has_work
+
+
+@pytest.mark.parametrize(("order", "running"), [(("abort", "add"), True), (("add", "abort"), False)])
+def test_a_request_aborted_and_added_again_in_one_batch_runs(loaded, tmp_path, order, running):
+    """The worker reads its messages in batches and applies the aborts first:
+    an add the batch aborts after it is dropped, but an add after its abort (a
+    request the gateway took back and resumed there) must still run."""
+    from protocol import Abort, Hello
+    from protocol.worker_settings import WorkerSettings
+    from worker.serve import Worker
+
+    settings = WorkerSettings(model="tiny", worker_endpoint=f"ipc://{tmp_path}/nobody.sock")
+    worker = Worker(settings, engine_for(loaded), Hello(1, 1, 1, "tiny", 512, loaded.vocab_size, 8, [], {}), None)
+    try:
+        add = AddRequest("a", loaded.hf_tokenizer.encode("Once upon a time"), Sampling(max_tokens=4))
+        messages = {"abort": (Abort(["a"]), []), "add": (add, [])}
+        worker.handle([messages[kind] for kind in order])
+        assert worker.engine.has_work is running
+    finally:
+        worker._connection.close(linger=0)
+        worker.socket.close(linger=0)
+        worker._context.term()
