@@ -5,7 +5,8 @@
   unresponsive  no heartbeat for --worker-timeout-s (frozen, or gone silently),
                 or its tcp connection dropped (until it beats again)
   hung          heartbeats arrive but the step counter has not moved for
-                --hung-worker-s while requests are running
+                --hung-worker-s while requests are running or waiting to be
+                prefilled (a prefill runs a chunk a step: it moves too)
 
 An unresponsive or hung worker that recovers is ready again. One that stays
 unresponsive or hung for a further --hung-worker-s is given up on.
@@ -56,26 +57,27 @@ class Vitals:
     last_progress: float  # when the step counter last moved (or the worker was idle)
     steps: int = 0
     running: int = 0
+    waiting: int = 0
     draining: bool = False
     disconnected: bool = False
     state: Liveness = Liveness.READY
     _bad_since: float | None = None
     _reported: bool = False
 
-    def beat(self, now: float, steps: int, running: int) -> None:
-        """A heartbeat with the worker's step counter and running requests."""
+    def beat(self, now: float, steps: int, running: int, waiting: int = 0) -> None:
+        """A heartbeat with the worker's step counter, its running requests and those waiting to be prefilled."""
         self.last_beat = now
         self.disconnected = False
-        if steps != self.steps or running == 0:
+        if steps != self.steps or running + waiting == 0:
             self.last_progress = now
-        self.steps, self.running = steps, running
+        self.steps, self.running, self.waiting = steps, running, waiting
 
     def assess(self, now: float) -> Verdict:
         if self.draining:
             state = Liveness.DRAINING
         elif self.disconnected or now - self.last_beat > self.worker_timeout_s:
             state = Liveness.UNRESPONSIVE
-        elif self.running > 0 and now - self.last_progress > self.hung_worker_s:
+        elif self.running + self.waiting > 0 and now - self.last_progress > self.hung_worker_s:
             state = Liveness.HUNG
         else:
             state = Liveness.READY

@@ -507,7 +507,7 @@ class WorkerLink:
             log.info("resumed %d requests on worker pid %d", count, pid)
 
     def _on_heartbeat(self, w: WorkerState, beat: Heartbeat) -> None:
-        w.vitals.beat(time.monotonic(), beat.step, beat.running)
+        w.vitals.beat(time.monotonic(), beat.step, beat.running, beat.waiting)
         w.waiting, w.affinity, w.prefix_cache, w.memory = beat.waiting, beat.affinity, beat.prefix_cache, beat.memory
         self._assess(w)
 

@@ -43,6 +43,14 @@ def test_a_still_counter_with_requests_running_is_hung_and_killed_once():
     assert not v.assess(63.0).kill  # reported once
 
 
+def test_a_still_counter_with_requests_waiting_to_prefill_is_hung_too():
+    """Stuck in a first prefill chunk (or an image's tower) with nothing decoding yet."""
+    v = vitals()
+    v.beat(1.0, steps=5, running=0, waiting=1)
+    v.beat(62.0, steps=5, running=0, waiting=1)
+    assert v.assess(62.0).state == Liveness.HUNG
+
+
 def test_unhealthy_for_too_long_is_given_up_on():
     v = vitals()
     v.assess(TIMEOUT + 1)
