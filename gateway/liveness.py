@@ -1,7 +1,7 @@
 """Whether a worker is alive and making progress: one state machine over an enum.
 
   ready         heartbeats arrive and its step counter moves when it has work
-  draining      it announced it is stopping; new requests wait for the next one
+  draining      it announced it is stopping (and still beats); new requests wait for the next one
   unresponsive  no heartbeat for --worker-timeout-s (frozen, or gone silently),
                 or its tcp connection dropped (until it beats again)
   hung          heartbeats arrive but the step counter has not moved for
@@ -73,9 +73,10 @@ class Vitals:
         self.steps, self.running, self.waiting = steps, running, waiting
 
     def assess(self, now: float) -> Verdict:
-        if self.draining:
+        silent = self.disconnected or now - self.last_beat > self.worker_timeout_s
+        if self.draining and not silent:
             state = Liveness.DRAINING
-        elif self.disconnected or now - self.last_beat > self.worker_timeout_s:
+        elif silent:  # draining or not: one that died mid-drain (over tcp no exit is seen) is given up on too
             state = Liveness.UNRESPONSIVE
         elif self.running + self.waiting > 0 and now - self.last_progress > self.hung_worker_s:
             state = Liveness.HUNG

@@ -67,8 +67,13 @@ def test_a_dropped_connection_is_unresponsive_until_the_next_beat():
     assert v.assess(0.2).state == Liveness.READY
 
 
-def test_draining_wins_over_everything():
+def test_draining_wins_while_it_beats_and_a_silent_drain_is_given_up_on():
+    """A worker on another Mac killed mid-drain: no process exit is seen here, only the silence."""
     v = vitals()
     v.draining = True
-    assert v.assess(TIMEOUT * 10).state == Liveness.DRAINING
-    assert not v.assess(TIMEOUT * 100).give_up
+    v.beat(1.0, steps=5, running=2)
+    v.beat(TIMEOUT + HUNG, steps=5, running=2)  # its streams' steps stalled, but it beats: draining
+    assert v.assess(TIMEOUT + HUNG).state == Liveness.DRAINING
+    silent_at = 2 * TIMEOUT + HUNG + 1
+    assert v.assess(silent_at).state == Liveness.UNRESPONSIVE and not v.assess(silent_at).give_up
+    assert v.assess(silent_at + HUNG + 1).give_up
