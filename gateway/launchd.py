@@ -21,6 +21,7 @@ key) is refused now.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import grp
 import os
 import plistlib
@@ -177,13 +178,39 @@ def _launchctl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def write_private(path: Path, data: bytes, owner: pwd.struct_passwd | None = None) -> None:
-    """Write a file only its owner can read (0600) from the first byte on."""
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    """Write a file only its owner can read (0600) from the first byte on.
+
+    With `owner` (root installing for a user), the file is in a directory
+    that user controls: everything is done through the directory's
+    descriptor, opened without following a link, and the new file's own, so
+    that a link the user puts in the path's place meanwhile cannot turn a
+    root-owned write, removal or chown onto another file."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | (os.O_NOFOLLOW if owner is not None else 0)
+    directory = os.open(path.parent, flags)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path.name, dir_fd=directory)
+        fd = os.open(path.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=directory)
+    finally:
+        os.close(directory)
     with os.fdopen(fd, "wb") as f:
+        if owner is not None:
+            os.fchown(f.fileno(), owner.pw_uid, owner.pw_gid)
         f.write(data)
-    if owner is not None:
-        os.chown(path, owner.pw_uid, owner.pw_gid)
+
+
+def write_key_file(layout: Layout, keys: list[str]) -> None:
+    """The API keys in the service user's ~/.mlxd/api-keys (0600). Under
+    --system, root makes ~/.mlxd the user's (the gateway, run as the user,
+    makes its socket directory in it) and refuses one that is a link."""
+    directory = layout.key_file.parent
+    if layout.system and directory.is_symlink():
+        raise LaunchdError(f"{directory} is a symbolic link; the API key file goes in a directory of the user's own")
+    if not directory.exists():
+        directory.mkdir(mode=0o700, parents=True)
+        if layout.system:
+            os.lchown(directory, layout.user.pw_uid, layout.user.pw_gid)
+    write_private(layout.key_file, key_file_text(keys), layout.user if layout.system else None)
 
 
 def key_file_text(keys: list[str]) -> bytes:
@@ -207,8 +234,7 @@ def install(layout: Layout, jobs: dict[str, dict], keys: list[str], output: Path
     if layout.system:
         os.chown(layout.log_dir, layout.user.pw_uid, layout.user.pw_gid)
     if keys:
-        layout.key_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        write_private(layout.key_file, key_file_text(keys), layout.user if layout.system else None)
+        write_key_file(layout, keys)
         print(f"API keys: {layout.key_file} (0600; add or revoke keys there, then `launchctl kill HUP` the gateway)")
     for job in layout.installed()[1:]:
         if job not in jobs:  # an earlier install's worker of a model this one does not serve

@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+from gateway import launchd
 from tests.conftest import MLXD, ROOT
 
 
@@ -133,3 +134,29 @@ def test_several_models_get_a_worker_job_each(tmp_path):
                             "--model", "a=x/y", "--model", "a=z/w"], cwd=ROOT, capture_output=True, text=True,
                            timeout=60)
     assert twice.returncode == 1 and "two models have one name" in twice.stderr
+
+
+def test_root_writing_the_key_file_for_a_user_gives_it_and_its_directory_to_them(tmp_path):
+    """`launchd install --system` runs as root in the user's home: the key file and
+    ~/.mlxd are the user's (the gateway runs as them), and a link put in the
+    file's place cannot turn root's write onto another file."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, as `launchd install --system` runs")
+    layout = launchd.Layout(system=True, user="nobody")
+    layout.key_file = tmp_path / ".mlxd" / "api-keys"
+    launchd.write_key_file(layout, ["k1"])
+    for path in (layout.key_file, layout.key_file.parent):
+        assert path.stat().st_uid == layout.user.pw_uid
+    assert stat.S_IMODE(layout.key_file.stat().st_mode) == 0o600 and b"k1" in layout.key_file.read_bytes()
+    target = tmp_path / "precious"
+    target.write_text("root's")
+    layout.key_file.unlink()
+    layout.key_file.symlink_to(target)  # as the user could, meanwhile
+    launchd.write_key_file(layout, ["k2"])
+    assert target.read_text() == "root's" and target.stat().st_uid == 0
+    assert not layout.key_file.is_symlink() and b"k2" in layout.key_file.read_bytes()
+    shutil.rmtree(layout.key_file.parent)
+    (tmp_path / "elsewhere").mkdir()
+    layout.key_file.parent.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(launchd.LaunchdError, match="symbolic link"):
+        launchd.write_key_file(layout, ["k3"])
