@@ -96,7 +96,8 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
     ops = OpsAPI(serving, supervisors, log_tail)
     embeddings = EmbeddingsAPI(serving)
     ollama = OllamaAPI(serving, embeddings)
-    responses = ResponsesAPI(serving, ResponseStore(settings.responses_store_max, settings.responses_store_ttl_s))
+    responses = ResponsesAPI(serving, ResponseStore(settings.responses_store_max, settings.responses_store_ttl_s,
+                                                     settings.responses_store_bytes))
 
     async def health(request: Request) -> Response:
         status = "draining" if serving.draining else "ok"

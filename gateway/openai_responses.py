@@ -3,15 +3,16 @@
 A body (with the conversation of its `previous_response_id`, when it names
 one) becomes a Plan; `Serving.respond` runs it; a `ResponseOutput` renders its
 Deltas as the API's typed event sequence or one response object, and keeps
-it (`store`) for later turns and GET, in a `ResponseStore` bounded by count
-and age, where only the client that stored a response can see it.
+it (`store`) for later turns and GET, in a `ResponseStore` bounded by count,
+bytes and age, where only the client that stored a response can see it.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -80,19 +81,37 @@ class StoredResponse:
     images: list[ImageSource]
     stored_at: float
 
+    @functools.cached_property
+    def nbytes(self) -> int:
+        """About what it holds in memory: its conversation's text and its images' base64."""
+        return len(msgspec.json.encode(self.messages)) + sum(len(i.data or i.url or "") for i in self.images)
+
 
 class ResponseStore:
-    """Stored responses, oldest first: at most `max_count`, none older than `max_age_s`."""
+    """Stored responses, oldest first: at most `max_count` and `max_bytes`,
+    none older than `max_age_s`. Beyond a limit, the client holding the most
+    (responses, or bytes) loses its oldest: one client storing many, or
+    large ones, cannot push out everyone else's."""
 
-    def __init__(self, max_count: int, max_age_s: float) -> None:
+    def __init__(self, max_count: int, max_age_s: float, max_bytes: int) -> None:
         self.max_count = max_count
         self.max_age_s = max_age_s
+        self.max_bytes = max_bytes
+        self.nbytes = 0
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def put(self, stored: StoredResponse) -> None:
         self._responses[stored.response.id] = stored
-        while len(self._responses) > self.max_count:
-            self._responses.popitem(last=False)
+        self.nbytes += stored.nbytes
+        while len(self._responses) > self.max_count or self.nbytes > self.max_bytes:
+            held: Counter[str] = Counter()
+            for s in self._responses.values():
+                held[s.client_id] += 1 if len(self._responses) > self.max_count else s.nbytes
+            most = held.most_common(1)[0][0]
+            self._drop(next(key for key, s in self._responses.items() if s.client_id == most))
+
+    def _drop(self, response_id: str) -> None:
+        self.nbytes -= self._responses.pop(response_id).nbytes
 
     def get(self, client_id: str, response_id: str) -> StoredResponse | None:
         """The response, if this client stored it and it has not expired."""
@@ -113,13 +132,13 @@ class ResponseStore:
 
     def _expire(self) -> None:
         expired = time.monotonic() - self.max_age_s
-        while self._responses and next(iter(self._responses.values())).stored_at < expired:
-            self._responses.popitem(last=False)
+        while self._responses and (oldest := next(iter(self._responses.values()))).stored_at < expired:
+            self._drop(oldest.response.id)
 
     def delete(self, client_id: str, response_id: str) -> bool:
         if self.get(client_id, response_id) is None:
             return False
-        del self._responses[response_id]
+        self._drop(response_id)
         return True
 
 

@@ -99,6 +99,9 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
                                     "(the oldest go first; 0 keeps none)")
     ] = 1000
     responses_store_ttl_s: Annotated[float, Meta(gt=0, description="how long a stored response is kept")] = 3600.0
+    responses_store_bytes: Annotated[
+        int, Meta(ge=0, description="memory the stored responses may hold (their conversations and images)")
+    ] = 256 << 20
     log_prompts: Annotated[bool, Meta(description="log prompts and completions (never logged otherwise)")] = False
     curve_secret_key: Annotated[
         str | None, Meta(description="the gateway's CURVE secret key file (`mlxd keys generate`); needed for tcp://")
