@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from gateway.errors import APIError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway.errors import APIError, error_response
 
 
 class Admission:
@@ -43,3 +45,26 @@ class Admission:
                     del self.by_client[client_id]
 
         return release
+
+
+class Admitted:
+    """ASGI middleware: a request for work (a POST to an API) is in flight from
+    its arrival to its response's last byte, its body, images and prompt
+    included: counted only once generating, a client could keep any number
+    of slow bodies or many-image prompts going at once, past every limit."""
+
+    def __init__(self, app: ASGIApp, admission: Admission) -> None:
+        self.app = app
+        self.admission = admission
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith(("/v1/", "/api/")):
+            return await self.app(scope, receive, send)
+        try:
+            release = self.admission.admit(scope["state"]["client_id"])
+        except APIError as e:
+            return await error_response(scope["path"], e)(scope, receive, send)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            release()

@@ -17,6 +17,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.admin_api import AdminAPI
+from gateway.admission import Admitted
 from gateway.anthropic_api import AnthropicAPI
 from gateway.curve import CurveError
 from gateway.embeddings_api import EmbeddingsAPI
@@ -218,6 +219,7 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
               if settings.cors_origin else []),
             Middleware(RequestCounter, metrics=serving.metrics),
             Middleware(Guard, settings=settings, keys=keys),
+            Middleware(Admitted, admission=serving.admission),
         ],
         lifespan=lifespan,
     )

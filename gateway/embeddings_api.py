@@ -57,10 +57,8 @@ class EmbeddingsAPI:
             raise APIError(400, "an input is empty" if inputs else "there is no input", param="input")
         check_keep_alive(request, keep_alive_s := keep_alive_seconds(keep_alive))
         lease, worker = await serving.lease(model, keep_alive_s)
-        release = None
         try:
             token_lists = [await self._tokens(worker, i) for i in inputs]
-            release = serving.admission.admit(request.scope["state"]["client_id"])
             # What a forward pass holds is the KV state of its tokens, as a prefill's; the worker
             # runs the inputs one after another, so the largest is what the request holds at once.
             await lease.reserve(max(worker.hello.kv_footprint.bytes_for(len(t)) for t in token_lists))
@@ -72,8 +70,6 @@ class EmbeddingsAPI:
         except WorkerRejected as e:
             raise APIError(400, str(e), param="model") from None
         finally:
-            if release is not None:
-                release()
             lease.release()
         flat = array("f", result.vectors)
         width = result.dimensions

@@ -326,16 +326,15 @@ class Serving:
 
     async def generate(self, request: Request, plan: Plan, group: RequestGroup, request_id: str,
                        worker: WorkerState, lease: Lease) -> AsyncGenerator[Delta]:
-        """Admit the request (429/503), reserve its KV memory (503), submit its
-        choices to the worker, and yield first an empty Delta opening each
-        choice, then every Delta until each choice has its final one.
+        """Reserve the request's KV memory (503), submit its choices to the
+        worker, and yield first an empty Delta opening each choice, then every
+        Delta until each choice has its final one.
 
         However it ends — finished, client gone, timed out, cancelled, failed —
         its `finally` aborts in the worker what still runs there and releases
-        the admission and the lease. Nothing else aborts a request for its client.
+        the lease. Nothing else aborts a request for its client.
         """
         client_id = request.scope["state"]["client_id"]
-        release = self.admission.admit(client_id)
         self.running[request_id] = (client_id, group)
         timeout = self.settings.request_timeout_s
         deadline = asyncio.get_running_loop().time() + timeout if timeout else None
@@ -369,7 +368,6 @@ class Serving:
                 yield delta
         finally:
             self.link.abort([state.request_id for state in group.states if state.running])
-            release()
             lease.release()
             del self.running[request_id]
             self.metrics.prompt_tokens += group.prompt_tokens

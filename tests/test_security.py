@@ -172,6 +172,14 @@ def test_limits(tiny_model, tmp_path):
             sock.settimeout(5)
             assert sock.recv(100).startswith(b"HTTP/1.1 408")
 
+        # A body still on its way is in flight too: slow bodies cannot pile up past the limits.
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+            time.sleep(0.1)
+            quick = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1}
+            assert_error(server.http.post("/v1/completions", json=quick), 503, "overloaded")
+
         # Connections that never finish their headers (or never start them) are closed: each holds a descriptor,
         # and without a key (read from the headers) nothing else stops a host on the network from opening them.
         for opening in (b"", b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"):
