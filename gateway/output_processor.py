@@ -90,6 +90,7 @@ class RequestState:
         self.generated: list[int] = []
         self.worker_losses = 0
         self.worker: bytes | None = None  # the identity of the worker running it (gateway/worker_link.py)
+        self.sends = 0  # AddRequests made of it: each send after the first is an attempt of its own (wire_id)
         self.cached_tokens = 0  # prompt tokens the worker took from its prefix cache
         self.reasoning_tokens = 0  # generated inside the reasoning block, its markers included
         self._held_tokens = 0  # of the latest steps the parser held back whole (counted once it is known what they are)
@@ -151,13 +152,21 @@ class RequestState:
             for t, lp in zip(token_ids, logprobs)
         ]
 
+    @property
+    def wire_id(self) -> str:
+        """Its id in the worker: the request's, with the attempt after the first
+        (`id@1`...), so that what an earlier attempt still sends reaches nobody
+        (a request taken back from a worker may resume on that same worker)."""
+        return self.request_id if self.sends <= 1 else f"{self.request_id}@{self.sends - 1}"
+
     def add_request(self) -> AddRequest:
-        """The request for a worker: the whole of it, or after a lost worker,
-        the rest of it (the prompt followed by what was already generated)."""
+        """The request for a worker, as a new attempt: the whole of it, or after a
+        lost worker, the rest of it (the prompt followed by what was already generated)."""
+        self.sends += 1
         if not self.generated:
-            return AddRequest(self.request_id, self.prompt, self.sampling, self.tensors)
+            return AddRequest(self.wire_id, self.prompt, self.sampling, self.tensors)
         rest = msgspec.structs.replace(self.sampling, max_tokens=self.sampling.max_tokens - len(self.generated))
-        return AddRequest(self.request_id, self.prompt + self.generated, rest, self.tensors, len(self.generated))
+        return AddRequest(self.wire_id, self.prompt + self.generated, rest, self.tensors, len(self.generated))
 
     def fail(self, message: str, status: int) -> Delta:
         self.status = RequestStatus.FAILED
@@ -177,6 +186,11 @@ class OutputProcessor:
     def get(self, request_id: str) -> RequestState | None:
         return self._requests.get(request_id)
 
+    def of_wire(self, wire_id: str) -> RequestState | None:
+        """The running request a worker's id names, if that is its latest attempt."""
+        state = self._requests.get(wire_id.partition("@")[0])
+        return state if state is not None and state.wire_id == wire_id else None
+
     def __len__(self) -> int:
         return len(self._requests)
 
@@ -189,7 +203,7 @@ class OutputProcessor:
         those that met a stop string, failed to render, or ended here before."""
         aborts = []
         for output in step.outputs:
-            state = self._requests.get(output.request_id)
+            state = self.of_wire(output.request_id)
             if state is None or state.worker != sender:
                 # Ended here already (aborted, failed), or moved on to another worker:
                 # told again, for the worker may not have heard (an Abort sent while
@@ -203,13 +217,13 @@ class OutputProcessor:
             except Exception:  # one request's rendering must not cost the others in this step their outputs
                 log.exception("rendering the output of request %s failed", state.request_id)
                 self.fail(state.request_id, "the server could not render this request's output", 500)
-                aborts.append(state.request_id)
+                aborts.append(output.request_id)
                 continue
             state.queue.put_nowait(delta)
             if not state.running:
                 del self._requests[state.request_id]
                 if state.status is RequestStatus.STOPPED:
-                    aborts.append(state.request_id)
+                    aborts.append(output.request_id)
         return aborts
 
     def abort(self, request_id: str) -> bool:

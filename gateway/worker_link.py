@@ -273,7 +273,7 @@ class WorkerLink:
             self._resume_by.pop(request_id, None)
             state = self.outputs.get(request_id)
             if state is not None and self.outputs.abort(request_id) and state.worker in self.workers:
-                dropped.setdefault(state.worker, []).append(request_id)
+                dropped.setdefault(state.worker, []).append(state.wire_id)
         for identity, ids in dropped.items():
             self._send(identity, Abort(ids))
 
@@ -357,9 +357,12 @@ class WorkerLink:
                 self._send(identity, Refused("the gateway gave up on this worker while it was unreachable; "
                                              "its requests went on elsewhere"))
             elif identity in self.workers:
-                # Our Welcome crossed its retry: answered now, so that a Goodbye
-                # right behind it finds no answer still to come.
+                # Our Welcome crossed its retry, or (over tcp) its connection dropped
+                # and came back: answered now, so that a Goodbye right behind it
+                # finds no answer still to come. Which of the two it was cannot be
+                # told here, and taking back is harmless after a crossed Welcome.
                 self._send(identity, Welcome(message.epoch))
+                self._take_back(self.workers[identity])
             elif identity not in self._accepting:  # else the first Hello's answer welcomes it
                 task = asyncio.create_task(self._accept(identity, message))
                 self._accepting[identity] = task
@@ -573,9 +576,9 @@ class WorkerLink:
             if pending[0] == identity and not pending[1].done():
                 pending[1].set_exception(WorkerRejected(error.message))
             return
-        state = self.outputs.get(error.request_id)
+        state = self.outputs.of_wire(error.request_id)
         if state is not None and state.worker == identity:
-            self.outputs.fail(error.request_id, f"the worker rejected the request: {error.message}", 500)
+            self.outputs.fail(state.request_id, f"the worker rejected the request: {error.message}", 500)
 
     def _lose_worker(self, w: WorkerState, why: str, handed_back: set[str]) -> None:
         if self.workers.pop(w.identity, None) is None:
@@ -591,12 +594,29 @@ class WorkerLink:
                 continue
             state.worker = None
             request_id = state.request_id
-            if request_id not in handed_back:
+            if state.wire_id not in handed_back:
                 state.worker_losses += 1
             if state.worker_losses > MAX_WORKER_LOSSES:
                 self._fail_after_loss(request_id, f"the worker was lost twice during this request: {why}")
             else:
                 self._resume_by[request_id] = deadline
+        self._resume_waiting()
+
+    def _take_back(self, w: WorkerState) -> None:
+        """What a worker sent while its tcp connection was down is lost (ZeroMQ
+        drops a closed connection's queue, and refuses sends until it is back):
+        its requests are taken back, aborted there and resumed from what
+        arrived here, as new attempts (whose outputs the old ones' cannot pass for)."""
+        states = [s for s in self.outputs if s.worker == w.identity]
+        if not states:
+            return
+        log.warning("worker pid %d came back over a new connection: resuming its %d requests", w.hello.pid,
+                    len(states))
+        self._send(w.identity, Abort([s.wire_id for s in states]))
+        deadline = time.monotonic() + self.worker_wait_s
+        for state in states:
+            state.worker = None
+            self._resume_by[state.request_id] = deadline
         self._resume_waiting()
 
     def _fail_embeds(self, w: WorkerState, why: str) -> None:

@@ -164,7 +164,7 @@ def test_a_request_whose_send_fails_waits_for_the_next_worker(tiny_model, tmp_pa
             assert link.requests_waiting == 1
             await welcomed(link, second, files, 2)
             request = await answer(second)
-            assert isinstance(request, AddRequest) and request.request_id == "r1"
+            assert isinstance(request, AddRequest) and request.request_id == "r1@1"  # its second attempt
             assert link.requests_waiting == 0 and state.worker == b"worker-2"
 
     asyncio.run(run())
@@ -202,5 +202,34 @@ def test_outputs_nobody_reads_are_aborted_in_the_worker(tiny_model, tmp_path):
             stranger.send(encode(StepOutput(3, [RequestOutput("old-1", [5]), RequestOutput("old-2", [6])])))
             assert await answer(stranger) == Abort(["old-1", "old-2"])
             assert list(link.workers) == [b"worker-1"]
+
+    asyncio.run(run())
+
+
+def test_a_worker_back_over_a_new_tcp_connection_has_its_requests_resumed_as_new_attempts(tiny_model, tmp_path):
+    """What a worker sends while its tcp connection is down is lost (ZeroMQ drops it): its
+    requests are taken back and resumed from what arrived, and the old attempt's
+    outputs, still on the way, reach nobody."""
+    files = tokenizer_files(tiny_model)
+
+    async def run() -> None:
+        async with link_and_workers(f"ipc://{tmp_path}/link/w.sock", 1) as (link, (socket,)):
+            worker = await welcomed(link, socket, files, 1)
+            state = RequestState("r1", asyncio.Queue(), [1, 2, 3], Sampling(max_tokens=8), worker.tokenizer, [])
+            link.outputs.add(state)
+            link.submit(state, worker)
+            assert (await answer(socket)).request_id == "r1"
+            socket.send(encode(StepOutput(1, [RequestOutput("r1", [5])])))
+            await until(lambda: state.generated == [5])
+            socket.send(hello(files, 1))  # its connection dropped (outputs lost with it) and came back
+            assert isinstance(await answer(socket), Welcome)
+            assert await answer(socket) == Abort(["r1"])
+            resumed = await answer(socket)
+            assert isinstance(resumed, AddRequest) and resumed.request_id == "r1@1"
+            assert resumed.prompt_token_ids == [1, 2, 3, 5] and resumed.generated_tokens == 1
+            socket.send(encode(StepOutput(2, [RequestOutput("r1", [6])])))  # the old attempt's, late
+            assert await answer(socket) == Abort(["r1"])
+            socket.send(encode(StepOutput(3, [RequestOutput("r1@1", [7])])))
+            await until(lambda: state.generated == [5, 7])
 
     asyncio.run(run())
