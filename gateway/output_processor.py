@@ -75,7 +75,7 @@ class RequestState:
         stop: list[str],
         index: int = 0,
         parser: StreamParser | None = None,
-        images: tuple[list[Tensor], list] = ([], []),
+        images: tuple[list[Tensor], list, int] = ([], [], 0),
     ) -> None:
         self.request_id = request_id
         self.index = index
@@ -84,7 +84,7 @@ class RequestState:
         self.status = RequestStatus.RUNNING
         # The image tensors the prompt's placeholders stand for, and their
         # arrays: kept until the request ends, since a resumed request needs them again.
-        self.tensors, self.buffers = images
+        self.tensors, self.buffers, self.images_key = images
         # Every token the worker produced, so that a lost worker's requests
         # can continue on the next one from exactly where they were.
         self.generated: list[int] = []
@@ -164,9 +164,10 @@ class RequestState:
         lost worker, the rest of it (the prompt followed by what was already generated)."""
         self.sends += 1
         if not self.generated:
-            return AddRequest(self.wire_id, self.prompt, self.sampling, self.tensors)
+            return AddRequest(self.wire_id, self.prompt, self.sampling, self.tensors, images_key=self.images_key)
         rest = msgspec.structs.replace(self.sampling, max_tokens=self.sampling.max_tokens - len(self.generated))
-        return AddRequest(self.wire_id, self.prompt + self.generated, rest, self.tensors, len(self.generated))
+        return AddRequest(self.wire_id, self.prompt + self.generated, rest, self.tensors, len(self.generated),
+                          self.images_key)
 
     def fail(self, message: str, status: int) -> Delta:
         self.status = RequestStatus.FAILED

@@ -319,7 +319,7 @@ class Serving:
         states = []
         for index, (rid, sampling) in enumerate(zip(ids, samplings)):
             states.append(RequestState(rid, queue, prompt.token_ids, sampling, worker.tokenizer, plan.stops, index,
-                                       parsers() if parsers else None, images=(prompt.tensors, prompt.arrays)))
+                                       parsers() if parsers else None, images=(prompt.tensors, prompt.arrays, prompt.images_key)))
         if self.settings.log_prompts:
             log.info("%s prompt: %r", request_id, worker.tokenizer.decode(prompt.token_ids))
         return RequestGroup(states, queue, ready_at)

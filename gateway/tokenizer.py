@@ -36,7 +36,7 @@ from gateway.call_ids import Style, call_id_style, fit_call_ids  # noqa: E402
 from gateway.parsing import detect_reasoning, detect_tool_family  # noqa: E402
 from gateway.pixtral import PixtralProcessor  # noqa: E402
 from protocol import Tensor  # noqa: E402
-from protocol.codec import TENSOR_DTYPES  # noqa: E402
+from protocol.codec import TENSOR_DTYPES, images_key  # noqa: E402
 
 # What a processor makes of the prompt rather than its images: the token ids
 # travel as such, and per-token masks would make the images' tensors (and so
@@ -62,6 +62,7 @@ class Prompt:
     token_ids: list[int]
     tensors: list[Tensor] = field(default_factory=list)
     arrays: list[np.ndarray] = field(default_factory=list)
+    images_key: int = 0  # protocol.codec.images_key of the arrays
 
 
 def _template_content(content: str | list[dict], vision: bool) -> str | list[dict]:
@@ -217,7 +218,7 @@ class Tokenizer:
                 raise PromptError(f"the model's processor made {name} of dtype {array.dtype}, which mlxd cannot send")
             tensors.append(Tensor(name, list(array.shape), array.dtype.name))
             arrays.append(array)
-        return Prompt(text, out["input_ids"][0].tolist(), tensors, arrays)
+        return Prompt(text, out["input_ids"][0].tolist(), tensors, arrays, images_key(arrays))
 
     def encode_text(self, text: str) -> list[int]:
         # As mlx-lm does: add the BOS token unless the prompt already starts with it.

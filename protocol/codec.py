@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,19 @@ def encode(message: ToWorker | FromWorker) -> bytes:
 
 # The dtypes a processor's arrays come in, and their sizes in bytes.
 TENSOR_DTYPES = {"float32": 4, "float16": 2, "int64": 8, "int32": 4, "uint8": 1, "bool": 1}
+
+
+def images_key(buffers: Sequence[Any]) -> int:
+    """A stand-in token for every image placeholder position in prefix-cache
+    keys: negative (no real token id is), and derived from the bytes of the
+    request's tensors, so prompts with the same text but other images never
+    share KV state."""
+    h = hashlib.sha256()
+    for b in buffers:
+        data = memoryview(b).cast("B")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return -1 - int.from_bytes(h.digest()[:7], "little")
 
 
 def tensor_nbytes(tensor: Tensor) -> int:

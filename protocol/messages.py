@@ -15,7 +15,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class _Message(msgspec.Struct, array_like=True, tag_field="type", omit_defaults=False):
@@ -79,6 +79,10 @@ class AddRequest(_Message, tag="add"):
     # request itself generated, which are text whatever their ids (a model may
     # write its image placeholder token; only the original prompt holds images).
     generated_tokens: int = 0
+    # With tensors: images_key() of their bytes, worked out by the gateway in
+    # the thread that made them (hashing a large image's pixels on the worker's
+    # main thread held every stream for tens of milliseconds).
+    images_key: int = 0
 
 
 class Abort(_Message, tag="abort"):

@@ -145,3 +145,15 @@ def test_hello_version_is_readable_across_versions():
     assert hello_version(encode(FROM_WORKER[0])) == PROTOCOL_VERSION
     assert hello_version(b"garbage") is None
     assert hello_version(encode(Goodbye("x"))) is None
+
+
+def test_the_images_key_the_gateway_sends_is_the_workers_own():
+    """The gateway hashes the arrays it made; the worker would hash the frames it received."""
+    import numpy as np
+
+    from protocol.codec import images_key
+
+    arrays = [np.arange(12, dtype=np.float32).reshape(3, 4), np.array([[1, 2, 2]], dtype=np.int64)]
+    frames = [bytes(a.tobytes()) for a in arrays]
+    assert images_key(arrays) == images_key([memoryview(f) for f in frames]) < 0
+    assert images_key(arrays) != images_key([arrays[0]])

@@ -19,11 +19,12 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import make_logits_processors
 
 from protocol import AddRequest, PrefixCacheStats, RequestOutput, TokenLogprob
+from protocol.codec import images_key
 from worker.grammar import GrammarError, Grammars
 from worker.joins import fold_joins, running_kv_view
 from worker.prefix_cache import PrefixCache
 from worker.sampling import make_sampler
-from worker.vision import VisionPrefill, images_key
+from worker.vision import VisionPrefill
 
 log = logging.getLogger("mlxd.worker")
 
@@ -186,7 +187,8 @@ class Engine:
         prompt = request.prompt_token_ids
         vision = self.vision
         media_end = len(prompt) - request.generated_tokens  # image positions lie before it
-        images = images_key(buffers) if vision is not None and request.tensors else None
+        # The gateway sends the key; a request made in-process (tests, benchmarks) has it worked out here.
+        images = (request.images_key or images_key(buffers)) if vision is not None and request.tensors else None
         key = prompt if vision is None or images is None else vision.cache_key(prompt, media_end, images)
         cache, reused = self.prefix_cache.take(key) if self.prefix_cache else (None, 0)
         admitted = Admitted(request.request_id, s.logprobs, reused)

@@ -19,7 +19,6 @@ request's cache carries it (RopeKVCache) and the batch applies it row by row.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import statistics
@@ -169,18 +168,6 @@ class FeatureCache:
         self.nbytes += size
         while self.nbytes > self.budget:
             self.nbytes -= self._entries.popitem(last=False)[1][1]
-
-
-def images_key(buffers: Sequence[memoryview]) -> int:
-    """A stand-in token for every image placeholder position in prefix-cache
-    keys: negative (no real token id is), and derived from the bytes of the
-    request's tensors, so prompts with the same text but other images never
-    share KV state."""
-    h = hashlib.sha256()
-    for b in buffers:
-        h.update(len(b).to_bytes(8, "little"))
-        h.update(b)
-    return -1 - int.from_bytes(h.digest()[:7], "little")
 
 
 class Embedded(NamedTuple):
