@@ -76,6 +76,7 @@ class WorkerSupervisor:
         self.link.load_failures.pop(self.model, None)  # an earlier start's
         self._stopping = False
         self.crash_loop, self._exits = False, []  # a new start (the pool loads the model again) starts afresh
+        self.restarted = False  # its worker exited since this start: the model was served and is not now
         self._task = asyncio.create_task(self._run(), name="mlxd-supervisor")
 
     def status(self) -> dict:
@@ -107,6 +108,7 @@ class WorkerSupervisor:
             first = False
             now = time.monotonic()
             self.restarts += 1
+            self.restarted = True
             self.last_exit_status = status
             if self._restart_requested:
                 self._restart_requested = False

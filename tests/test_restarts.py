@@ -197,13 +197,15 @@ def test_supervised_worker_is_restarted_after_kill_9(tiny_model, tmp_path, expec
         reader.start()
         reader.wait_for_pieces(20)
         os.kill(server.health()["worker"]["pid"], signal.SIGKILL)
+        # A load balancer sends its clients elsewhere meanwhile.
+        wait_for(lambda: server.http.get("/ready").status_code == 503, 5, "/ready to say 503 without a worker")
         reader.join(60)
         assert reader.failure is None and reader.errors == [] and reader.done
         assert reader.text == expected
         health = server.health()
         assert health["supervisor"]["restarts"] == 1
         assert health["supervisor"]["last_exit_status"] == -signal.SIGKILL
-        assert health["worker"]["ready"]
+        assert health["worker"]["ready"] and server.http.get("/ready").status_code == 200
     finally:
         server.stop()
 
