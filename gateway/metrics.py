@@ -91,14 +91,20 @@ class Metrics:
                       "# TYPE mlxd_memory_budget_bytes gauge", f"mlxd_memory_budget_bytes {ledger['budget']}",
                       "# HELP mlxd_memory_charged_bytes What the ledger charges each loaded model, by part.",
                       "# TYPE mlxd_memory_charged_bytes gauge"]
-            lines += [f'mlxd_memory_charged_bytes{{model="{name}",part="{part}"}} {value}'
+            lines += [f'mlxd_memory_charged_bytes{{model="{label(name)}",part="{part}"}} {value}'
                       for name, model in ledger["models"].items()
                       for part, value in model.get("memory", {}).items() if part != "total"]
             lines += ["# HELP mlxd_model_loaded Whether a model is loaded (1), loading (0.5) or unloaded (0).",
                       "# TYPE mlxd_model_loaded gauge"]
-            lines += [f'mlxd_model_loaded{{model="{name}"}} {LOADED[model["status"]]}'
+            lines += [f'mlxd_model_loaded{{model="{label(name)}"}} {LOADED[model["status"]]}'
                       for name, model in ledger["models"].items()]
         return "\n".join(lines) + "\n"
+
+
+def label(value: str) -> str:
+    """A label value as Prometheus' text format writes it: a quote, a backslash
+    or a newline in a model's name would make the whole scrape unreadable."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 class RequestCounter:
