@@ -96,7 +96,8 @@ def list_main(argv: list[str]) -> int:
     parser.parse_args(argv)
     rows = [("NAME", "SIZE", "FORMAT", "QUANTIZATION", "CONTEXT", "FAMILY")]
     for name, path in cached_models().items():
-        facts = model_facts(name)
+        # mlxd's own by their directory: the NAME alone would be read as a path from here first.
+        facts = model_facts(str(path) if (path / "config.json").is_file() else name)
         rows.append((name, format_size(facts.size), facts.format or "-", facts.quantization or "-",
                      str(facts.context_length or "-"), facts.family or "-"))
     table(rows)
@@ -113,12 +114,13 @@ def rm_main(argv: list[str]) -> int:
     if missing:
         print(f"mlxd rm: not in the cache: {', '.join(missing)} (see mlxd list)", file=sys.stderr)
         return 1
-    for name in args.name:
-        path = cached[name.removesuffix(":latest")]
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    for name in dict.fromkeys(n.removesuffix(":latest") for n in args.name):  # `rm a a:latest` removes a once
+        path = cached[name]
+        # A hub repo's snapshots link to its blobs: each file counted once.
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
         shutil.rmtree(path)
-        for leftover in (cache_dir() / "downloads").glob(f"{path.name}.gguf*"):
-            leftover.unlink()
+        for suffix in (".gguf", ".gguf.partial", ".gguf.version"):  # what a pull of it left (not a glob: names may hold [ ])
+            (cache_dir() / "downloads" / f"{path.name}{suffix}").unlink(missing_ok=True)
         print(f"removed {name} ({format_size(size)})")
     return 0
 

@@ -213,3 +213,43 @@ def test_a_download_continues_only_the_version_it_began(gguf, tmp_path):
         server.close()
     assert server.ranges[-1] is None
     assert hashlib.sha256(partial.read_bytes()).hexdigest() == hashlib.sha256(new).hexdigest()
+
+
+def test_rm_removes_what_it_names_once_and_only_that(cache, tmp_path):
+    models = tmp_path / "cache" / "mlxd" / "models"
+    downloads = tmp_path / "cache" / "mlxd" / "downloads"
+    downloads.mkdir(parents=True)
+    for name in ("m[1]", "m1"):
+        (models / name).mkdir(parents=True)
+        (models / name / "config.json").write_text('{"model_type": "llama"}')
+    (downloads / "m1.gguf.partial").write_bytes(b"another pull's")
+    removed = mlxd("rm", "m[1]", "m[1]:latest", env=cache)  # a glob's brackets, and the name twice
+    assert removed.returncode == 0 and removed.stdout.count("removed m[1]") == 1, removed.stderr
+    assert (models / "m1").is_dir() and (downloads / "m1.gguf.partial").exists()
+
+
+def test_list_reads_the_cache_not_a_directory_of_the_same_name_here(cache, tmp_path):
+    model = tmp_path / "cache" / "mlxd" / "models" / "mine"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 2048}')
+    here = tmp_path / "here"
+    (here / "mine").mkdir(parents=True)
+    (here / "mine" / "config.json").write_text('{"model_type": "qwen2", "max_position_embeddings": 32768}')
+    listed = subprocess.run([*MLXD, "list"], cwd=here, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, **cache, "PYTHONPATH": str(ROOT)})
+    assert listed.stdout.splitlines()[1].split()[-2:] == ["2048", "llama"], listed.stdout
+
+
+def test_keys_generate_never_replaces_a_pair_unasked(tmp_path):
+    def generate(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*MLXD, "keys", "generate", str(tmp_path / "keys"), *extra], capture_output=True,
+                              text=True, timeout=60)
+
+    assert generate("--name", "gateway").returncode == 0
+    first = (tmp_path / "keys" / "gateway.key").read_text()
+    again = generate("--name", "gateway")
+    assert again.returncode == 2 and "exists" in again.stderr and "Traceback" not in again.stderr
+    assert (tmp_path / "keys" / "gateway.key").read_text() == first
+    assert generate("--name", "gateway", "--force").returncode == 0
+    assert (tmp_path / "keys" / "gateway.key").read_text() != first
+    assert generate("--name", "../escaped").returncode == 2 and not (tmp_path / "escaped.key").exists()
