@@ -53,6 +53,7 @@ class RankState(msgspec.Struct, frozen=True):
     rank: Rank
     weights_bytes: int
     kv_footprint: KVFootprint
+    model_digest: str  # each rank loads the model from its own host's files: they must be the same
 
 
 _step_encoder = msgspec.msgpack.Encoder()

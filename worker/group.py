@@ -105,7 +105,11 @@ def start_rank(rank: int, host: Host, settings: WorkerSettings, files: dict[str,
     command = [sys.executable, "-m", "worker", *to_arguments(rank_settings)]
     script = RemoteProcess.make_launch_script(rank, None, None, files, env, command, local)
     if not local:
-        script = f"ssh -tt -o LogLevel=QUIET {shlex.quote(host.ssh_hostname)} {shlex.quote(script)}"
+        # A terminal's Ctrl-C reaches this process group: ssh ignores it (an ignored
+        # SIGINT survives exec, and ssh keeps it so), for the group to drain rather than
+        # lose its remote ranks to a hang-up; a vanished host is noticed within 15 s.
+        script = (f"trap '' INT; exec ssh -tt -o LogLevel=QUIET -o BatchMode=yes -o ServerAliveInterval=5 "
+                  f"-o ServerAliveCountMax=3 {shlex.quote(host.ssh_hostname)} {shlex.quote(script)}")
     process = subprocess.Popen(script, shell=True, executable="/bin/bash", stdin=subprocess.DEVNULL,
                                stdout=subprocess.PIPE)
     threading.Thread(target=_relay, args=(process, rank), name=f"mlxd-rank-{rank}-output", daemon=True).start()

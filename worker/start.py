@@ -110,7 +110,11 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
     footprint = kv_footprint(text_model)
     ranks = []
     if channel is not None:
-        states = channel.gather(RankState(this_rank(channel.rank), weights, footprint))
+        states = channel.gather(RankState(this_rank(channel.rank), weights, footprint, loaded.digest))
+        if len({s.model_digest for s in states}) > 1:  # every rank sees it, and every rank stops
+            hosts = ", ".join(f"{s.rank.host} {s.model_digest[:12]}" for s in states)
+            return load_failed(settings, f"the ranks loaded different files for {settings.model} ({hosts}): "
+                                         "give every host the same snapshot of the model")
         ranks = [s.rank for s in states]
         weights, footprint = sum(s.weights_bytes for s in states), summed_footprint(states)
         # Every rank's cache must keep and drop the same prompts: budgets in proportion to the shards' KV.
