@@ -510,7 +510,10 @@ class WorkerLink:
             log.info("resumed %d requests on worker pid %d", count, pid)
 
     def _on_heartbeat(self, w: WorkerState, beat: Heartbeat) -> None:
-        w.vitals.beat(time.monotonic(), beat.step, beat.running, beat.waiting)
+        # Requests sent to it count as work even before it has read them: a worker whose
+        # main thread is stuck while idle (a distributed group's rank frozen) never reads them.
+        sent = sum(1 for s in self.outputs if s.worker == w.identity)
+        w.vitals.beat(time.monotonic(), beat.step, beat.running, beat.waiting + sent)
         w.waiting, w.affinity, w.prefix_cache, w.memory = beat.waiting, beat.affinity, beat.prefix_cache, beat.memory
         self._assess(w)
 

@@ -249,6 +249,19 @@ def test_a_frozen_rank_is_hung_and_the_group_is_replaced(tiny_model, tmp_path, r
         assert "is hung" in server.log_path.read_text()
 
 
+def test_a_rank_frozen_while_idle_is_found_out_by_the_next_request(tiny_model, tmp_path, reference):
+    """Rank 0 waits in its idle turn's collective, reading nothing: the request
+    sent to it counts as its work, so the stalled step counter makes it hung
+    (its heartbeats said nothing was running) and the group is replaced."""
+    with running(group_args(tiny_model, "--hung-worker-s", "1.5"), tmp_path / "serve.log") as server:
+        os.kill(ranks_of(server)[1]["pid"], signal.SIGSTOP)
+        expected = reference.greedy(reference.text_prompt("Once upon a time"), 8).text
+        answer = server.http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Once upon a time",
+                                                           "max_tokens": 8, "temperature": 0}, timeout=120)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == expected
+        assert "is hung" in server.log_path.read_text()
+
+
 @pytest.mark.parametrize("stop", ["launchd", "ctrl-c"])
 def test_a_drain_stops_every_rank(tiny_model, tmp_path, stop):
     """`mlxd worker` stopped by launchd (SIGTERM to it) or by a terminal's
