@@ -217,7 +217,7 @@ class Serving:
         except Unavailable as e:
             raise unavailable(str(e), e.code) from None
         try:
-            worker = await self.link.ready_worker(max(0.0, deadline - time.monotonic()), name,
+            worker = await self.link.ready_worker(deadline, wait_s, name,
                                                   lease.model.load_error if lease.model else None)
             if name is None:
                 self.served_name(model, worker.names)

@@ -204,15 +204,15 @@ class WorkerLink:
         return self._ready.is_set()
 
 
-    async def ready_worker(self, timeout_s: float, model: str | None,
+    async def ready_worker(self, deadline: float, waited_s: float, model: str | None,
                            failure: Callable[[], str | None] | None = None) -> WorkerState:
         """A ready worker serving `model` (None: any), for preparing a request's
         prompt (submit picks where it runs). WorkerUnavailable when none is
-        ready within timeout_s, or as soon as `failure` gives a reason (its
-        model could not load; by default, the last LoadFailed while no worker is ready)."""
+        ready by `deadline` (time.monotonic(); the request will then have waited
+        `waited_s`), or as soon as `failure` gives a reason (its model could not
+        load; by default, the last LoadFailed while no worker is ready)."""
         if failure is None:
             failure = lambda: self.load_error if not self.ready else None  # noqa: E731
-        deadline = time.monotonic() + timeout_s
         while (worker := self._least_loaded(model)) is None:
             if (why := failure()) is not None:
                 raise WorkerUnavailable(why)
@@ -220,7 +220,7 @@ class WorkerLink:
             try:
                 await asyncio.wait_for(changed.wait(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
-                raise WorkerUnavailable(f"no worker became ready within {timeout_s:.3g}s") from None
+                raise WorkerUnavailable(f"no worker became ready within {waited_s:g}s") from None
         return worker
 
     def worker_of(self, name: str) -> WorkerState | None:
