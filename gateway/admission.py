@@ -47,18 +47,24 @@ class Admission:
         return release
 
 
+# The routes that make the server work (generate, embed, tokenize); a cancel,
+# /api/show and the rest stay free, even for a client at its limit.
+WORK = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages",
+                  "/v1/messages/count_tokens", "/api/chat", "/api/generate", "/api/embed", "/api/embeddings"})
+
+
 class Admitted:
-    """ASGI middleware: a request for work (a POST to an API) is in flight from
-    its arrival to its response's last byte, its body, images and prompt
-    included: counted only once generating, a client could keep any number
-    of slow bodies or many-image prompts going at once, past every limit."""
+    """ASGI middleware: a request for work is in flight from its arrival to its
+    response's last byte, its body, images and prompt included: counted only
+    once generating, a client could keep any number of slow bodies or
+    many-image prompts going at once, past every limit."""
 
     def __init__(self, app: ASGIApp, admission: Admission) -> None:
         self.app = app
         self.admission = admission
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith(("/v1/", "/api/")):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in WORK:
             return await self.app(scope, receive, send)
         try:
             release = self.admission.admit(scope["state"]["client_id"])

@@ -218,7 +218,7 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
                           allow_headers=["Authorization", "Content-Type", "x-api-key"])]
               if settings.cors_origin else []),
             Middleware(RequestCounter, metrics=serving.metrics),
-            Middleware(Guard, settings=settings, keys=keys),
+            Middleware(Guard, settings=settings, keys=keys, keep_alive_s=pool.keep_alive_s),
             Middleware(Admitted, admission=serving.admission),
         ],
         lifespan=lifespan,

@@ -118,16 +118,21 @@ class ImageLoader:
         limit = self.settings.max_image_bytes
         deadline = time.monotonic() + timeout
         chunks: list[bytes] = []
+        late = False
         try:
             with _opener.open(urllib.request.Request(url, headers={"User-Agent": "mlxd"}), timeout=timeout) as r:
-                while (size := sum(map(len, chunks))) <= limit and time.monotonic() < deadline:
+                length = r.headers.get("Content-Length", "")
+                while (size := sum(map(len, chunks))) <= limit:
                     if not (chunk := r.read1(min(1 << 16, limit + 1 - size))):
                         break
                     chunks.append(chunk)
+                    if time.monotonic() >= deadline:  # late, unless that was the last of it
+                        late = not length.isdigit() or size + len(chunk) < int(length)
+                        break
         except (urllib.error.URLError, OSError, ValueError) as e:
             raise APIError(400, f"could not fetch the image at {url}: {e}", param=param,
                            code="image_fetch_failed") from None
-        if time.monotonic() >= deadline:
+        if late:
             raise APIError(400, f"the image at {url} did not arrive within {timeout:g}s", param=param,
                            code="image_fetch_failed")
         data = b"".join(chunks)

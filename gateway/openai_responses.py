@@ -10,6 +10,7 @@ bytes and age, where only the client that stored a response can see it.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -66,6 +67,8 @@ from gateway.plan import (
 from gateway.responses import SSE, MsgspecResponse, sse_event
 from gateway.serving import Choice, Serving
 
+log = logging.getLogger("mlxd.gateway")
+
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -101,6 +104,10 @@ class ResponseStore:
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def put(self, stored: StoredResponse) -> None:
+        if stored.nbytes > self.max_bytes:
+            log.warning("response %s is not stored: it holds %d bytes, more than --responses-store-bytes",
+                        stored.response.id, stored.nbytes)
+            return
         self._responses[stored.response.id] = stored
         self.nbytes += stored.nbytes
         while len(self._responses) > self.max_count or self.nbytes > self.max_bytes:

@@ -9,7 +9,6 @@ import hashlib
 import hmac
 import ipaddress
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -124,13 +123,18 @@ class Guard:
     client's address, for per-client limits; and ["authenticated"].
     """
 
-    def __init__(self, app: ASGIApp, settings: GatewaySettings, keys: KeyRing) -> None:
+    def __init__(self, app: ASGIApp, settings: GatewaySettings, keys: KeyRing, keep_alive_s: float) -> None:
+        """keep_alive_s: the server's own --keep-alive, which with admin keys no API key's request outlasts."""
         self.app = app
         self.keys = keys
         self.metrics_keys = KeyRing(settings.metrics_key, None, kind="metrics keys")
         self.admin_keys = KeyRing(settings.admin_key, None, kind="admin keys")
+        # Unloading and pinning models is the admin keys' where there are any (on
+        # /admin/*); a request's keep_alive could unload its model (0) or keep it for good.
+        self.keep_alive_limit_s = keep_alive_s if self.admin_keys.enabled else None
         self.loopback = is_loopback(settings.host)
         self.allowed_hosts = LOOPBACK_NAMES | {h.lower() for h in settings.allowed_host}
+        self.any_origin = "*" in settings.cors_origin
         self.origins = {o.encode() for o in settings.cors_origin}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -145,7 +149,8 @@ class Guard:
                                  "host_not_allowed")
         path = scope["path"]
         if scope["method"] not in ("GET", "HEAD", "OPTIONS") and cross_site(headers) and (
-                path.startswith("/admin/") or not self.keys.enabled and headers.get(b"origin") not in self.origins):
+                path.startswith("/admin/") or not self.keys.enabled and not self.any_origin
+                and headers.get(b"origin") not in self.origins):
             # A page elsewhere must not act through a browser on this network (a
             # form posts without preflight, and without keys no key stops it):
             # generate, or load and unload models through Ollama's keep_alive.
@@ -170,9 +175,7 @@ class Guard:
         state = scope.setdefault("state", {})
         state["authenticated"] = key_id is not None or not self.keys.enabled
         state["client_id"] = key_id or (scope.get("client") or ("?",))[0]
-        # Unloading and pinning models is the admin keys' where there are any (on
-        # /admin/*); a request's keep_alive could unload its model (0) or keep it for good (negative).
-        state["manages_models"] = not self.admin_keys.enabled
+        state["keep_alive_limit_s"] = self.keep_alive_limit_s
         return await self.app(scope, receive, send)
 
     def _host_allowed(self, host: bytes) -> bool:
@@ -185,12 +188,15 @@ class Guard:
 
 
 def check_keep_alive(request: Request, keep_alive_s: float | None) -> None:
-    """A keep_alive that unloads the model (0) or keeps it loaded for good
-    (negative) is an operator's act: with admin keys, a 403 for the API keys."""
-    if keep_alive_s in (0, math.inf) and not request.scope.get("state", {}).get("manages_models", True):
-        raise APIError(403, "on this server, unloading a model (keep_alive 0) or keeping it loaded for good (a "
-                            "negative keep_alive) takes an admin key: POST /admin/models/{name}/unload or /pin",
-                       param="keep_alive", code="admin_key_required")
+    """A keep_alive that unloads the model (0) or keeps it loaded longer than
+    the server's own --keep-alive (for good, if negative) is an operator's act:
+    with admin keys, a 403 for the API keys."""
+    limit = request.scope.get("state", {}).get("keep_alive_limit_s")
+    if limit is not None and keep_alive_s is not None and (keep_alive_s == 0 or keep_alive_s > limit):
+        raise APIError(403, "on this server, unloading a model (keep_alive 0) or keeping it loaded longer than the "
+                            f"server's own keep-alive ({limit:g} s; a negative keep_alive is for good) takes an admin "
+                            "key: POST /admin/models/{name}/unload or /pin", param="keep_alive",
+                       code="admin_key_required")
 
 
 def cross_site(headers: dict[bytes, bytes]) -> bool:

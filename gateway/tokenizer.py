@@ -129,6 +129,8 @@ class Tokenizer:
                 raise PromptError(f"the model's tokenizer ({type(self._tok).__name__}) has no fast (Rust) "
                                   "version, which the gateway needs to stream its text")
             self.rust: RustTokenizer = rust
+            # Logprobs' tokens, each decoded once (a cache of this tokenizer's own, gone with it).
+            self.token_text = functools.lru_cache(maxsize=1 << 16)(self.token_text)  # type: ignore[method-assign]
             if vision:
                 self.processor = load_processor(tmp, self._tok)
                 # Vision models often keep their chat template with the processor.
@@ -228,7 +230,6 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.rust.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    @functools.lru_cache(maxsize=1 << 16)  # noqa: B019 (one tokenizer a model, kept while it is served)
     def token_text(self, token_id: int) -> str:
         """One token's text as it reads inside a text (logprobs' tokens): a
         SentencePiece tokenizer decodes a word's token alone without its

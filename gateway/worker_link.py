@@ -106,6 +106,7 @@ class WorkerState:
     memory: MemoryStats | None = None  # MLX's allocator, from its heartbeats
     ready: bool = True  # its liveness says so: requests may go to it
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # the prompts sent to it
+    dropped: bool = False  # its tcp connection closed since its requests were last taken back
 
 
 @dataclass
@@ -559,7 +560,7 @@ class WorkerLink:
         if self.transport.ipc:
             self._lose_worker(w, "its connection closed", handed_back=set())
         else:
-            w.vitals.disconnected = True
+            w.vitals.disconnected = w.dropped = True
             # An Embed or its answer may be gone with the connection; embedding again is the client's to do.
             self._fail_embeds(w, "the connection to the worker broke while it embedded")
             self._assess(w)
@@ -611,6 +612,7 @@ class WorkerLink:
         its requests are taken back, aborted there and resumed from what
         arrived here, as new attempts (whose outputs the old ones' cannot pass for)."""
         states = [s for s in self.outputs if s.worker == w.identity]
+        dropped, w.dropped = w.dropped, False
         if not states:
             return
         log.warning("worker pid %d came back over a new connection: resuming its %d requests", w.hello.pid,
@@ -619,7 +621,13 @@ class WorkerLink:
         deadline = time.monotonic() + self.worker_wait_s
         for state in states:
             state.worker = None
-            self._resume_by[state.request_id] = deadline
+            # A connection seen to drop is a loss (a link that keeps dropping must not resume them for ever);
+            # a Hello that crossed its Welcome, or came before the drop was seen here, is not.
+            state.worker_losses += dropped
+            if state.worker_losses > MAX_WORKER_LOSSES:
+                self._fail_after_loss(state.request_id, "the connection to its worker dropped twice")
+            else:
+                self._resume_by[state.request_id] = deadline
         self._resume_waiting()
 
     def _fail_embeds(self, w: WorkerState, why: str) -> None:

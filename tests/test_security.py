@@ -374,6 +374,9 @@ def test_with_admin_keys_no_api_key_unloads_or_pins_through_keep_alive(tiny_mode
         forever = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1, "keep_alive": -1}
         assert_error(server.http.post("/v1/completions", json=forever, headers=user), 403, "admin_key_required")
         assert server.http.post("/v1/completions", json=dict(forever, keep_alive="5m"), headers=user).status_code == 200
+        # Past the server's own --keep-alive (5m) is as good as for good.
+        assert_error(server.http.post("/v1/completions", json=dict(forever, keep_alive="100000h"), headers=user),
+                     403, "admin_key_required")
         assert server.http.post(f"/admin/models/{MODEL_NAME}/unload", headers=admin).status_code == 200
     finally:
         server.stop()

@@ -80,11 +80,15 @@ def chain_keys(identity: bytes, tokens: Sequence[int]) -> list[str]:
     return keys
 
 
+def _layout(arrays: list[mx.array]) -> bytes:
+    return msgspec.msgpack.encode(BlockLayout([list(a.shape) for a in arrays],
+                                              [str(a.dtype).rsplit(".", 1)[1] for a in arrays]))
+
+
 def block_payload(arrays: list[mx.array]) -> list[bytes]:
     """A block's payload in pieces: the layout's length, the layout, each
     array's bytes. On the main thread, which alone calls MLX."""
-    layout = msgspec.msgpack.encode(BlockLayout([list(a.shape) for a in arrays],
-                                                [str(a.dtype).rsplit(".", 1)[1] for a in arrays]))
+    layout = _layout(arrays)
     return [struct.pack("<I", len(layout)), layout, *(np.asarray(a.view(mx.uint8)).tobytes() for a in arrays)]
 
 
@@ -172,8 +176,8 @@ class DiskCache:
             if time.time() - info.st_mtime > 3600:
                 path.unlink(missing_ok=True)
         self.nbytes = sum(self._files.values())
-        # Key, payload, queued bytes: the writer seals and writes it.
-        self._pending: queue.Queue[tuple[str, list[bytes], int] | None] = queue.Queue()
+        # Key, payload, queued bytes, the keys of the blocks before it: the writer seals and writes it.
+        self._pending: queue.Queue[tuple[str, list[bytes], int, list[str]] | None] = queue.Queue()
         self._queued_bytes = 0
         self._queued: set[str] = set()  # keys handed to the writer, not on disk yet
         self._writer = threading.Thread(target=self._write_loop, name="mlxd-disk-cache", daemon=True)
@@ -263,11 +267,12 @@ class DiskCache:
         a recurrent state or quantized keys cannot be cut into blocks here."""
         if not cache or any(type(c) is not KVCache for c in cache):
             return
-        for index, key in enumerate(chain_keys(self.identity, tokens[:min(c.offset for c in cache)])):
+        keys = chain_keys(self.identity, tokens[:min(c.offset for c in cache)])
+        for index, key in enumerate(keys):
             start, end = index * BLOCK_TOKENS, (index + 1) * BLOCK_TOKENS
             arrays = [mx.contiguous(a[..., start:end, :]) for c in cache for a in (c.keys, c.values)]
             size = sum(a.nbytes for a in arrays)
-            if end // BLOCK_TOKENS * size > self.budget:
+            if end // BLOCK_TOKENS * (size + _header_bytes(arrays)) > self.budget:
                 return  # blocks past what the budget holds of the chain would evict its own first ones
             with self._lock:
                 if key in self._files or key in self._queued:
@@ -277,7 +282,7 @@ class DiskCache:
                 self._queued_bytes += size
                 self._queued.add(key)
             mx.eval(arrays)
-            self._pending.put((key, block_payload(arrays), size))
+            self._pending.put((key, block_payload(arrays), size, keys[:index]))
 
     def close(self) -> None:
         """Write what is queued, then stop the writer and the readers."""
@@ -316,9 +321,9 @@ class DiskCache:
 
     def _write_loop(self) -> None:
         while (item := self._pending.get()) is not None:
-            key, payload, size = item
+            key, payload, size, before = item
             try:
-                self._write(key, block_file(payload))
+                self._write(key, block_file(payload), before)
             except Exception:  # the writer must outlive any one block: the queue's bytes wait on it
                 log.exception("could not write prefix-cache block %s", key)
             finally:
@@ -326,7 +331,7 @@ class DiskCache:
                     self._queued_bytes -= size
                     self._queued.discard(key)
 
-    def _write(self, key: str, parts: list[bytes]) -> None:
+    def _write(self, key: str, parts: list[bytes], before: list[str]) -> None:
         path, file_bytes = self._path(key), sum(map(len, parts))
         temporary = path.with_suffix(f".{os.getpid()}.tmp")  # replicas of a model may share the directory
         with self._lock:
@@ -349,6 +354,14 @@ class DiskCache:
             return
         with self._lock:
             self._count(key, file_bytes)
+            for earlier in reversed(before):  # the chain's first block the most recently used (the docstring)
+                if earlier in self._files:
+                    self._files.move_to_end(earlier)
+
+
+def _header_bytes(arrays: list[mx.array]) -> int:
+    """What a block file holds besides its arrays (see block_file and block_payload)."""
+    return len(MAGIC) + 32 + 4 + len(_layout(arrays))
 
 
 def _stats(directory: Path, pattern: str) -> list[tuple[Path, os.stat_result]]:

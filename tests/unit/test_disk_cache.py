@@ -90,6 +90,19 @@ def test_eviction_trims_a_chain_from_its_end(tmp_path):
     assert DiskCache(tmp_path / "kv", 4 * block, IDENTITY).restore(used, 0)[1] == 2 * BLOCK_TOKENS
 
 
+def test_a_chain_written_after_another_is_evicted_from_its_end_too(tmp_path):
+    """Written, not read back: blocks are counted in the chain's order, and its
+    first one must still be the last of it to go."""
+    first, second = list(range(3 * BLOCK_TOKENS)), list(range(5000, 5000 + 2 * BLOCK_TOKENS))
+    cache = kv_cache(len(first))
+    block = block_bytes(tmp_path, cache)
+    disk = DiskCache(tmp_path / "kv", 4 * block, IDENTITY)
+    disk.save(first, cache)
+    disk.save(second, cache)  # one block of `first` must go
+    disk.close()
+    assert DiskCache(tmp_path / "kv", 4 * block, IDENTITY).restore(first, 0)[1] == 2 * BLOCK_TOKENS
+
+
 def test_models_sharing_a_directory_keep_to_their_own_blocks(tmp_path):
     """One model's writes never evict another's blocks, nor count them against its budget."""
     tokens = list(range(2 * BLOCK_TOKENS))
