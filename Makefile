@@ -89,6 +89,7 @@ bench: install-test model
 	$(PY) -m tests.bench.prefix_lookup
 	$(PY) -m tests.bench.agent_replay
 	$(PY) -m tests.bench.disk_restore
+	$(PY) -m tests.bench.disk_save_peak
 	$(PY) -m tests.bench.serve_speed
 	$(PY) -m tests.bench.restart --signal KILL
 	$(PY) -m tests.bench.restart --signal TERM
