@@ -53,7 +53,8 @@ def ps_main(argv: list[str]) -> int:
         print(f"mlxd ps: cannot read {args.url}/health: {e}", file=sys.stderr)
         return 1
     if "workers" not in health:
-        print("mlxd ps: the gateway shows its workers only with an API key (--api-key)", file=sys.stderr)
+        print("mlxd ps: the gateway shows its workers only with an API key"
+              + (": it did not take this one" if args.api_key else " (--api-key)"), file=sys.stderr)
         return 1
     models = health.get("pool", {}).get("models", {})
 

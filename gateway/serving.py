@@ -359,7 +359,7 @@ class Serving:
                     now = time.monotonic()
                     if delta.index in last:
                         self.metrics.inter_token_latency.observe(now - last[delta.index])
-                    else:
+                    elif not last:  # the request's first text (of any of its choices): once a request
                         self.metrics.time_to_first_token.observe(now - arrived)
                     last[delta.index] = now
                 if delta.tool_calls and not plan.parallel_tool_calls:
