@@ -8,6 +8,8 @@ from collections import Counter
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.admission import WORK
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -129,7 +131,8 @@ class RequestCounter:
             await self.app(scope, receive, recording_send)
         finally:
             # The route's template, never the path the client wrote: that would let anyone (a 401 too)
-            # write into the metrics and add a counter per path, without end.
-            route = getattr(scope.get("route"), "path", "")
+            # write into the metrics and add a counter per path, without end. A request refused before
+            # routing (a key, the in-flight limits) has none: an API's own path, as its route would be.
+            route = getattr(scope.get("route"), "path", "") or (scope["path"] if scope["path"] in WORK else "")
             endpoint = route if route.startswith(("/v1/", "/api/")) else "other"
             self.metrics.requests[(endpoint, status)] += 1

@@ -179,6 +179,8 @@ def test_limits(tiny_model, tmp_path):
             time.sleep(0.1)
             quick = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1}
             assert_error(server.http.post("/v1/completions", json=quick), 503, "overloaded")
+        # Refused before routing, it is still counted as its endpoint's.
+        assert 'mlxd_requests_total{endpoint="/v1/completions",status="503"}' in server.http.get("/metrics").text
 
         # Connections that never finish their headers (or never start them) are closed: each holds a descriptor,
         # and without a key (read from the headers) nothing else stops a host on the network from opening them.
