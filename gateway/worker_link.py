@@ -592,19 +592,8 @@ class WorkerLink:
         self._update_ready()
         self.stats.workers_lost += 1
         self._fail_embeds(w, f"the worker was lost while embedding: {why}")
-        deadline = time.monotonic() + self.worker_wait_s
-        for state in list(self.outputs):
-            if state.worker != w.identity:
-                continue
-            state.worker = None
-            request_id = state.request_id
-            if state.wire_id not in handed_back:
-                state.worker_losses += 1
-            if state.worker_losses > MAX_WORKER_LOSSES:
-                self._fail_after_loss(request_id, f"the worker was lost twice during this request: {why}")
-            else:
-                self._resume_by[request_id] = deadline
-        self._resume_waiting()
+        states = [s for s in self.outputs if s.worker == w.identity]
+        self._move_on(states, [s.wire_id not in handed_back for s in states], why)
 
     def _take_back(self, w: WorkerState) -> None:
         """What a worker sent while its tcp connection was down is lost (ZeroMQ
@@ -618,14 +607,19 @@ class WorkerLink:
         log.warning("worker pid %d came back over a new connection: resuming its %d requests", w.hello.pid,
                     len(states))
         self._send(w.identity, Abort([s.wire_id for s in states]))
+        # A connection seen to drop is a loss (a link that keeps dropping must not resume them for ever);
+        # a Hello that crossed its Welcome, or came before the drop was seen here, is not.
+        self._move_on(states, [dropped] * len(states), "its connection dropped")
+
+    def _move_on(self, states: list[RequestState], lost: list[bool], why: str) -> None:
+        """Requests off their worker wait for the next one (--worker-wait-s), each
+        counting a loss where `lost` says so; past MAX_WORKER_LOSSES one fails."""
         deadline = time.monotonic() + self.worker_wait_s
-        for state in states:
+        for state, loss in zip(states, lost, strict=True):
             state.worker = None
-            # A connection seen to drop is a loss (a link that keeps dropping must not resume them for ever);
-            # a Hello that crossed its Welcome, or came before the drop was seen here, is not.
-            state.worker_losses += dropped
+            state.worker_losses += loss
             if state.worker_losses > MAX_WORKER_LOSSES:
-                self._fail_after_loss(state.request_id, "the connection to its worker dropped twice")
+                self._fail_after_loss(state.request_id, f"the worker was lost twice during this request: {why}")
             else:
                 self._resume_by[state.request_id] = deadline
         self._resume_waiting()
