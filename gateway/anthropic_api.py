@@ -52,7 +52,6 @@ from gateway.plan import (
     tool_definitions,
 )
 from gateway.responses import SSE, MsgspecResponse, sse_event
-from gateway.security import check_keep_alive
 from gateway.serving import Choice, Serving
 
 
@@ -153,8 +152,7 @@ class AnthropicAPI:
     async def count_tokens(self, request: Request) -> Response:
         body = decode_body(await self.serving.read_body(request), CountTokensRequest)
         plan = Plan(model=body.model, prompt=chat_input(body), sampling=SamplingParams(), stops=[], tools=tools(body))
-        check_keep_alive(request, keep_alive := keep_alive_seconds(body.keep_alive))
-        lease, worker = await self.serving.lease(body.model, keep_alive)
+        lease, worker = await self.serving.lease(body.model, keep_alive_seconds(body.keep_alive), request=request)
         try:
             prompt = await self.serving.prompt(request, worker, plan)
         finally:

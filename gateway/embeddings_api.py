@@ -16,7 +16,6 @@ from gateway.openai_schema import Embedding, EmbeddingList, EmbeddingRequest, Em
 from gateway.plan import keep_alive_seconds
 from gateway.pool import Unavailable
 from gateway.responses import MsgspecResponse
-from gateway.security import check_keep_alive
 from gateway.serving import Serving, tokenize, unavailable
 from gateway.worker_link import WorkerRejected, WorkerState, WorkerUnavailable
 
@@ -55,8 +54,7 @@ class EmbeddingsAPI:
         serving = self.serving
         if not inputs or any(len(i) == 0 for i in inputs):
             raise APIError(400, "an input is empty" if inputs else "there is no input", param="input")
-        check_keep_alive(request, keep_alive_s := keep_alive_seconds(keep_alive))
-        lease, worker = await serving.lease(model, keep_alive_s)
+        lease, worker = await serving.lease(model, keep_alive_seconds(keep_alive), request=request)
         try:
             token_lists = [await self._tokens(worker, i) for i in inputs]
             # What a forward pass holds is the KV state of its tokens, as a prefill's; the worker

@@ -288,15 +288,16 @@ class OllamaAPI:
                               output: _Output) -> Response:
         """Ollama's way to load a model (an empty prompt) or, with keep_alive 0, to unload it."""
         serving = self.serving
-        check_keep_alive(request, keep_alive_seconds(keep_alive))
-        if keep_alive_seconds(keep_alive) == 0:
+        keep_alive_s = keep_alive_seconds(keep_alive)
+        if keep_alive_s == 0:
+            check_keep_alive(request, keep_alive_s)
             name = serving.served_name(model, serving.model_names())
             pooled = serving.pool.find(name)
             if pooled is not None and not pooled.pinned:  # an operator's pin outlasts a client's unload
                 await serving.pool.unload(name)
             reason = "unload"
         else:
-            lease, _ = await serving.lease(model, keep_alive_seconds(keep_alive))
+            lease, _ = await serving.lease(model, keep_alive_s, request=request)
             lease.release()
             reason = "load"
         return MsgspecResponse(msgspec.structs.replace(output.piece("", "", None, True), done_reason=reason))

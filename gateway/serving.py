@@ -198,13 +198,15 @@ class Serving:
             code="model_not_found",
         )
 
-    async def lease(self, model: str, keep_alive_s: float | None = None,
-                    retry_failed: bool = False) -> tuple[Lease, WorkerState]:
+    async def lease(self, model: str, keep_alive_s: float | None = None, retry_failed: bool = False,
+                    request: Request | None = None) -> tuple[Lease, WorkerState]:
         """A lease on `model` (loaded by the pool if need be) and a ready worker
         serving it: 404 for a name this server does not serve; 503 when no
         worker is ready within --worker-wait-s, the pool has no room, or the
-        model could not load (retry_failed: try again at once). The caller
-        releases the lease."""
+        model could not load (retry_failed: try again at once); 403 for a
+        `keep_alive` the client's `request` may not set. The caller releases the lease."""
+        if request is not None:
+            check_keep_alive(request, keep_alive_s)
         if self.draining:
             raise unavailable("the server is shutting down")
         names = self.model_names()
@@ -278,8 +280,7 @@ class Serving:
 
     async def respond(self, request: Request, plan: Plan, renderer: Renderer) -> Response:
         """Serve one API request: SSE events or one body, written by the renderer."""
-        check_keep_alive(request, plan.keep_alive_s)
-        lease, worker = await self.lease(plan.model, plan.keep_alive_s)
+        lease, worker = await self.lease(plan.model, plan.keep_alive_s, request=request)
         ready_at = time.monotonic()
         streaming = False  # once a stream is open, its generate releases the lease when it ends
         try:
