@@ -280,7 +280,9 @@ class HarmonyParser:
     _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
     _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 
-    def __init__(self, tools: list[dict] | None) -> None:
+    def __init__(self, tools: list[dict] | None, opened: str | None = None) -> None:
+        """opened: the header of a message the prompt left open (an assistant
+        message continued), whose body the reply goes on with."""
         self._tools = tools
         self._pending = ""
         self._in_body = False
@@ -288,6 +290,24 @@ class HarmonyParser:
         self._recipient = ""
         self._arguments = ""
         self.calls: list[ToolCall] = []
+        if opened is not None:
+            self._open(opened)
+
+    @classmethod
+    def open_header(cls, prompt_text: str) -> str | None:
+        """The header of the message a prompt ends inside, if it does: the
+        reply is that message's body, with no header of its own to wait for."""
+        header, found, body = prompt_text.rpartition("<|message|>")
+        if not found or "<|start|>" in body or any(end in body for end in cls.ENDS):
+            return None
+        return header.rpartition("<|start|>")[2]
+
+    def _open(self, header: str) -> None:
+        channel = self._CHANNEL.search(header)
+        recipient = self._RECIPIENT.search(header)
+        self._channel = channel.group(1) if channel else ""
+        self._recipient = recipient.group(1) if recipient and self._tools is not None else ""
+        self._in_body = True
 
     def feed(self, text: str, final: bool) -> tuple[str, str, list[ToolCall]]:
         """(reasoning, content, tool calls) that this text completes."""
@@ -300,11 +320,8 @@ class HarmonyParser:
                 header, found, body = self._pending.partition("<|message|>")
                 if not found:
                     break
-                channel = self._CHANNEL.search(header)
-                recipient = self._RECIPIENT.search(header)
-                self._channel = channel.group(1) if channel else ""
-                self._recipient = recipient.group(1) if recipient and self._tools is not None else ""
-                self._pending, self._in_body = body, True
+                self._open(header)
+                self._pending = body
             ends = [(at, end) for end in self.ENDS if (at := self._pending.find(end)) >= 0]
             if not ends:
                 break
@@ -364,7 +381,8 @@ def stream_parsers(markers: tuple[str, str] | None, family: str, prompt_text: st
     output is not read as inside it.
     """
     if family == "harmony":
-        return lambda: HarmonyParser(tools)
+        opened = HarmonyParser.open_header(prompt_text)
+        return lambda: HarmonyParser(tools, opened)
     if markers is None and not tools:
         return lambda: None
     inside = markers is not None and not constrained and prompt_text.rstrip().endswith(markers[0])

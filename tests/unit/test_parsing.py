@@ -211,3 +211,22 @@ def test_harmony_call_cut_short_stays_text():
 
 def test_text_that_is_not_harmony_is_content():
     assert harmony_all(HarmonyParser(WEATHER), "plain words", 3)[:3] == ("", "plain words", [])
+
+
+def test_harmony_reply_continuing_a_message_the_prompt_left_open_streams_as_it_comes():
+    """A prefilled assistant message (continue_final_message): the reply is its body, with no header of its own."""
+    prompt = "<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>final<|message|>Bonjour"
+    make = stream_parsers(None, "harmony", prompt, None)
+    reasoning, content, calls, deltas = harmony_all(make(), ", Paris.<|return|>", 4)
+    assert (reasoning, content, calls) == ("", ", Paris.", []) and deltas[0] == ", Pa"
+    thinking = stream_parsers(None, "harmony", "<|start|>assistant<|channel|>analysis<|message|>Hm", None)()
+    assert harmony_all(thinking, "m.<|end|><|start|>assistant<|channel|>final<|message|>Yes", 3)[:2] == ("m.", "Yes")
+    opened = "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    _, content, calls, _ = harmony_all(stream_parsers(None, "harmony", opened, WEATHER)(), '{"city": "Oslo"}<|call|>', 5)
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Oslo"}')]
+
+
+@pytest.mark.parametrize("prompt", ["", "<|start|>user<|message|>Hi<|end|><|start|>assistant",
+                                    "<|start|>assistant<|channel|>final<|message|>Done.<|return|>"])
+def test_harmony_prompt_that_leaves_no_message_open_waits_for_the_header(prompt):
+    assert HarmonyParser.open_header(prompt) is None
