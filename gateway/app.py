@@ -34,6 +34,7 @@ from gateway.responses import MsgspecResponse
 from gateway.security import Guard, KeyRing, check_bind_policy, keys_required
 from gateway.serving import Serving
 from gateway.settings import GatewaySettings, PoolSettings
+from gateway.supervisor import local_pids
 from gateway.transport import EndpointInUse
 from gateway.worker_link import WorkerLink
 from protocol.units import parse_duration, parse_size
@@ -88,7 +89,7 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
             s.kill(pid)
 
     link.on_unhealthy = kill_unhealthy
-    supervisor = supervisors[0] if supervisors else None  # what /health and /metrics describe as `supervisor`
+    supervisor = supervisors[0] if supervisors else None  # what /health describes as `supervisor`
     serving = Serving(link, settings, pool)
     api = OpenAIAPI(serving)
     anthropic = AnthropicAPI(serving)
@@ -105,8 +106,8 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
         if not request.scope["state"]["authenticated"]:
             # Open to all, so that probes need no key; details only with one.
             return MsgspecResponse({"status": status, "worker": {"ready": link.ready}})
-        local = {s.process.pid for s in supervisors if s.process is not None}
-        body: dict = {"status": status, "worker": worker_status(link), "workers": workers_status(link, local)}
+        body: dict = {"status": status, "worker": worker_status(link),
+                      "workers": workers_status(link, local_pids(supervisors))}
         if supervisor is not None:
             body["supervisor"] = supervisor.status()
             body["supervisors"] = [s.status() for s in supervisors]
@@ -119,8 +120,8 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
         return MsgspecResponse({"id": request_id, "cancelled": True})
 
     async def metrics(_request: Request) -> Response:  # behind the keys (security.Guard)
-        text = serving.metrics.render(worker_status(link), supervisor.status() if supervisor else None,
-                                      pool.ledger() if pool.models else None)
+        text = serving.metrics.render(worker_status(link), workers_status(link, local_pids(supervisors)),
+                                      sum(s.restarts for s in supervisors), pool.ledger() if pool.models else None)
         return Response(text, media_type="text/plain; version=0.0.4")
 
     async def ready(_request: Request) -> Response:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -44,8 +46,11 @@ class Metrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
-    def render(self, worker: dict, supervisor: dict | None, ledger: dict | None = None) -> str:
-        """ledger: the pool's (ModelPool.ledger), when `mlxd serve` runs models."""
+    def render(self, link: dict, workers: list[dict], restarts: int, ledger: dict | None = None) -> str:
+        """link: the link's own state (health.worker_status); workers: one
+        entry per connected worker (health.workers_status); restarts: the
+        supervised workers' restarts, all models; ledger: the pool's
+        (ModelPool.ledger), when `mlxd serve` runs models."""
         lines = [
             "# HELP mlxd_requests_total HTTP requests by endpoint and status.",
             "# TYPE mlxd_requests_total counter",
@@ -61,33 +66,21 @@ class Metrics:
             f"mlxd_prompt_tokens_total {self.prompt_tokens}",
             "# TYPE mlxd_generation_tokens_total counter",
             f"mlxd_generation_tokens_total {self.generation_tokens}",
+            "# HELP mlxd_worker_ready Whether some worker can take requests.",
+            "# TYPE mlxd_worker_ready gauge",
+            f"mlxd_worker_ready {int(link.get('ready', False))}",
         ]
-        gauges = {
-            "mlxd_worker_ready": int(worker.get("ready", False)),
-            "mlxd_requests_running": worker.get("running", 0),
-            "mlxd_requests_waiting": worker.get("waiting", 0),
-            "mlxd_worker_steps": worker.get("steps", 0),
-            "mlxd_worker_epoch": worker.get("epoch", 0),
-            "mlxd_prefix_cache_hits": worker.get("prefix_cache", {}).get("hits", 0),
-            "mlxd_prefix_cache_bytes": worker.get("prefix_cache", {}).get("bytes", 0),
-            "mlxd_prefix_cache_cached_tokens": worker.get("prefix_cache", {}).get("cached_tokens", 0),
-            "mlxd_image_feature_cache_hits": worker.get("prefix_cache", {}).get("image_hits", 0),
-            "mlxd_image_feature_cache_bytes": worker.get("prefix_cache", {}).get("image_bytes", 0),
-            "mlxd_prefix_cache_disk_tokens": worker.get("prefix_cache", {}).get("disk_tokens", 0),
-            "mlxd_prefix_cache_disk_hits": worker.get("prefix_cache", {}).get("disk_hits", 0),
-            "mlxd_prefix_cache_disk_bytes": worker.get("prefix_cache", {}).get("disk_bytes", 0),
-            "mlxd_prefix_cache_lookups": worker.get("prefix_cache", {}).get("lookups", 0),
-            "mlxd_prefix_cache_prefilled_tokens": worker.get("prefix_cache", {}).get("prefilled_tokens", 0),
-        }
-        counters = {
-            "mlxd_workers_lost_total": worker.get("workers_lost", 0),
-            "mlxd_requests_resumed_total": worker.get("requests_resumed", 0),
-            "mlxd_worker_restarts_total": (supervisor or {}).get("restarts", 0),
-        }
-        for name, value in gauges.items():
-            lines += [f"# TYPE {name} gauge", f"{name} {value}"]
-        for name, value in counters.items():
+        for name, value in (("mlxd_workers_lost_total", link.get("workers_lost", 0)),
+                            ("mlxd_requests_resumed_total", link.get("requests_resumed", 0)),
+                            ("mlxd_worker_restarts_total", restarts)):
             lines += [f"# TYPE {name} counter", f"{name} {value}"]
+        # Each worker's own numbers, labelled with its model and pid: with several
+        # models (or replicas) one unlabelled number would describe one worker only.
+        for name, kind, help_text, read in WORKER_SERIES:
+            samples = [(w, value) for w in workers if (value := read(w)) is not None]
+            if samples:
+                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+                lines += [f'{name}{{model="{label(w["model"])}",pid="{w["pid"]}"}} {value}' for w, value in samples]
         if ledger is not None:
             lines += ["# HELP mlxd_memory_budget_bytes The pool's memory budget (--memory-budget).",
                       "# TYPE mlxd_memory_budget_bytes gauge", f"mlxd_memory_budget_bytes {ledger['budget']}",
@@ -101,6 +94,47 @@ class Metrics:
             lines += [f'mlxd_model_loaded{{model="{label(name)}"}} {LOADED[model["status"]]}'
                       for name, model in ledger["models"].items()]
         return "\n".join(lines) + "\n"
+
+
+def _field(part: str, key: str) -> Callable[[dict], int | None]:
+    """A number from a worker entry's `part` (its prefix_cache, its memory), None where it has none."""
+    return lambda worker: worker[part].get(key, 0) if part in worker else None
+
+
+# (name, type, help, the value in a worker's /health entry). A worker's totals
+# start again at 0 when it restarts (under a new pid): counters, as Prometheus reads them.
+WORKER_SERIES: list[tuple[str, str, str, Callable[[dict], Any]]] = [
+    ("mlxd_worker_up", "gauge", "A connected worker, 1 when it can take requests.",
+     lambda w: int(w["ready"])),
+    ("mlxd_worker_epoch", "gauge", "The worker's epoch (its start).", lambda w: w["epoch"]),
+    ("mlxd_worker_requests_running", "gauge", "Requests in the worker's batch.", lambda w: w["running"]),
+    ("mlxd_worker_requests_waiting", "gauge", "Requests the worker holds that are not prefilled yet.",
+     lambda w: w["waiting"]),
+    ("mlxd_worker_steps_total", "counter", "The worker's engine steps.", lambda w: w["steps"]),
+    ("mlxd_prefix_cache_lookups_total", "counter", "Prompts looked up in the prefix cache.",
+     _field("prefix_cache", "lookups")),
+    ("mlxd_prefix_cache_hits_total", "counter", "Prompts that reused cached KV state (hits / lookups: the hit rate).",
+     _field("prefix_cache", "hits")),
+    ("mlxd_prefix_cache_cached_tokens_total", "counter",
+     "Prompt tokens whose KV state was reused, from RAM or disk.", _field("prefix_cache", "cached_tokens")),
+    ("mlxd_prefix_cache_disk_tokens_total", "counter",
+     "Prompt tokens whose KV state was read back from disk (within cached_tokens).",
+     _field("prefix_cache", "disk_tokens")),
+    ("mlxd_prefix_cache_disk_hits_total", "counter", "Prompts that read KV state back from disk.",
+     _field("prefix_cache", "disk_hits")),
+    ("mlxd_prefix_cache_prefilled_tokens_total", "counter", "Prompt tokens computed: nothing cached held them.",
+     _field("prefix_cache", "prefilled_tokens")),
+    ("mlxd_prefix_cache_bytes", "gauge", "KV state the prefix cache holds in RAM.", _field("prefix_cache", "bytes")),
+    ("mlxd_prefix_cache_disk_bytes", "gauge", "KV state the prefix cache's disk tier holds.",
+     _field("prefix_cache", "disk_bytes")),
+    ("mlxd_image_feature_cache_hits_total", "counter", "Requests whose images skipped the vision tower.",
+     _field("prefix_cache", "image_hits")),
+    ("mlxd_image_feature_cache_bytes", "gauge", "Image features kept for reuse.", _field("prefix_cache", "image_bytes")),
+    ("mlxd_worker_memory_active_bytes", "gauge", "MLX's arrays in the worker.", _field("memory", "active")),
+    ("mlxd_worker_memory_peak_bytes", "gauge", "The most MLX held at once since the worker started.",
+     _field("memory", "peak")),
+    ("mlxd_worker_memory_cache_bytes", "gauge", "Freed buffers MLX keeps for reuse.", _field("memory", "cache")),
+]
 
 
 def label(value: str) -> str:

@@ -25,7 +25,7 @@ from starlette.responses import HTMLResponse, Response
 from gateway.health import workers_status
 from gateway.responses import MsgspecResponse
 from gateway.serving import Serving
-from gateway.supervisor import WorkerSupervisor
+from gateway.supervisor import WorkerSupervisor, local_pids
 
 SAMPLE_S = 2.0
 SAMPLES_KEPT = 300  # ten minutes
@@ -110,7 +110,7 @@ class OpsAPI:
     async def state(self, _request: Request) -> Response:
         serving, link, pool = self.serving, self.serving.link, self.serving.pool
         now = time.time()
-        local = {s.process.pid for s in self.supervisors if s.process is not None}
+        local = local_pids(self.supervisors)
         workers = workers_status(link, local)
         for w, entry in zip(link.workers.values(), workers):
             entry["names"] = w.names

@@ -194,6 +194,12 @@ class WorkerSupervisor:
         self.process = None
 
 
+def local_pids(supervisors: list[WorkerSupervisor]) -> set[int]:
+    """The workers these supervisors run: the others connected on their own
+    (launchd's worker, a replica, another Mac)."""
+    return {s.process.pid for s in supervisors if s.process is not None}
+
+
 def _kill_group(pid: int) -> None:
     """SIGKILL the worker's process group (it leads one of its own)."""
     with contextlib.suppress(ProcessLookupError):  # it exited meanwhile

@@ -94,6 +94,20 @@ def test_mlxd_ps_lists_each_models_worker(pool):
         (name, workers[name], "ready") for name in NAMES]
 
 
+def test_metrics_describe_every_models_worker(pool):
+    """Each worker's own numbers, labelled with its model: not the oldest worker's alone."""
+    complete(pool, "gamma")
+    gamma = next(w["pid"] for w in pool.health()["workers"] if w["model"] == "gamma")
+    lookups = f'mlxd_prefix_cache_lookups_total{{model="gamma",pid="{gamma}"}} '
+    wait_for(lambda: any(line.startswith(lookups) and float(line.split()[-1]) >= 1
+                         for line in pool.http.get("/metrics").text.splitlines()), 10, "gamma's look-up in /metrics")
+    text = pool.http.get("/metrics").text
+    health = pool.health()
+    for w in health["workers"]:
+        assert f'mlxd_worker_up{{model="{w["model"]}",pid="{w["pid"]}"}} {int(w["ready"])}\n' in text
+    assert f"mlxd_worker_restarts_total {sum(s['restarts'] for s in health['supervisors'])}\n" in text
+
+
 def test_serve_ends_when_one_of_its_models_cannot_load(models, tmp_path):
     """With --preload, a model that cannot load at start ends `mlxd serve`, whichever worker reports first."""
     result = subprocess.run([*MLXD, "serve", "--preload", "--model", f"alpha={models['alpha']}", "--model",
