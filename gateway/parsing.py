@@ -113,6 +113,7 @@ class ToolCallParser:
         self._in_call = False
         self._at_start = True
         self._trim = False  # newlines right after a call are layout, not text
+        self._bare = False  # a llama3 call with no <|python_tag|>: the whole reply is JSON
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
@@ -170,7 +171,7 @@ class ToolCallParser:
                 content, calls = self._finish_whole(final, parse)
                 return before + content, calls
             if self._format is None and self.family == "llama3" and self._at_start and stripped.startswith("{"):
-                self._in_call = True
+                self._in_call = self._bare = True
                 return self._finish_whole(final, parse)
             if not stripped and not final:
                 return "", []
@@ -185,12 +186,8 @@ class ToolCallParser:
         if not final:
             return "", []
         text, self._pending = self._pending, ""
-        parts = text.split(";") if self._format is None and self.family == "llama3" else [text]
-        parsed = [parse(part) for part in parts]
-        calls = [call for found in parsed if found is not None for call in found]
-        if any(found is None for found in parsed):
-            return text, []
-        return "", calls
+        found = parse(text)
+        return ("", found) if found is not None else (text, [])
 
     def _parse_format(self, text: str) -> list[ToolCall] | None:
         """The calls mlx-lm's parser finds in the text; None if it finds none."""
@@ -203,20 +200,42 @@ class ToolCallParser:
         return calls
 
     def _parse(self, text: str) -> list[ToolCall] | None:
-        """The calls a JSON object (or list of them) describes; None if it is not one."""
-        try:
-            value = json.loads(text.strip())
-        except (ValueError, RecursionError):  # not JSON, or JSON Python will not read (a 5,000-digit number, deep nesting)
+        """The calls a JSON object (or a list of them) describes; llama3's may
+        be several objects, separated by ";". None if the text is not calls."""
+        values = _json_values(text, ";" if self.family == "llama3" else "")
+        if values is None:
             return None
-        items = value if isinstance(value, list) else [value]
+        items = [item for value in values for item in (value if isinstance(value, list) else [value])]
+        names = None if self._tools is None else {tool["function"]["name"] for tool in self._tools}
         calls = []
         for item in items:
             if not isinstance(item, dict) or not isinstance(item.get("name"), str):
                 return None
+            if self._bare and ("arguments" not in item and "parameters" not in item
+                               or names is not None and item["name"] not in names):
+                return None  # a JSON answer that has a "name" (a person's), not a call
             arguments = item.get("arguments", item.get("parameters", {}))
             calls.append(ToolCall(item["name"], arguments if isinstance(arguments, str) else json.dumps(arguments)))
         self.calls += calls
         return calls
+
+
+def _json_values(text: str, separator: str) -> list | None:
+    """The JSON values the text holds one after another (whitespace, and the
+    separator if any, between them); None if it holds anything else. Not a
+    split on the separator: a call's arguments may hold it ("cd /tmp; ls")."""
+    decoder = json.JSONDecoder()
+    values, at = [], 0
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] == separator and values):
+            at += 1
+        if at == len(text):
+            return values or None
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):  # not JSON, or JSON Python will not read (a 5,000-digit number, deep nesting)
+            return None
+        values.append(value)
 
 
 def detect_tool_family(chat_template: str) -> str:

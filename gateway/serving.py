@@ -312,8 +312,10 @@ class Serving:
         family = worker.tokenizer.tool_family
         grammar = plan.grammar(forced_call_format(worker), worker.tokenizer.added_tokens)
         samplings = plan.sampling.samplings(worker.sampling, worker.hello.vocab_size, max_tokens, grammar)
-        parsers = (stream_parsers(worker.reasoning_markers, family, prompt.text, plan.tools,
-                                  worker.tool_format, constrained=grammar is not None)
+        # Under a JSON response_format the reply is the JSON asked for, never a call (a "name" in it is data).
+        parsers = (stream_parsers(worker.reasoning_markers, family, prompt.text,
+                                  None if plan.json_output else plan.tools, worker.tool_format,
+                                  constrained=grammar is not None)
                    if isinstance(plan.prompt, ChatInput) else None)
         ids = [request_id] if len(samplings) == 1 else [f"{request_id}-{i}" for i in range(len(samplings))]
         queue: asyncio.Queue[Delta] = asyncio.Queue()

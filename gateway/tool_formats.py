@@ -35,15 +35,18 @@ class ToolFormat:
         """(name, arguments as JSON text, id or "") of each call the text holds; None when it holds none."""
         try:
             parsed = self.parse_one(text, tools)
+            calls = []
+            for call in parsed if isinstance(parsed, list) else [parsed]:
+                if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                    return None
+                arguments = call.get("arguments", {})
+                # Some parsers read a value as Python (ast.literal_eval): a set, bytes or an infinity
+                # the model wrote is no JSON, and the call stays text.
+                calls.append((call["name"], arguments if isinstance(arguments, str) else
+                              json.dumps(arguments, allow_nan=False),
+                              call["id"] if isinstance(call.get("id"), str) else ""))
         except Exception:  # each parser raises its own kinds: a call that does not parse stays text
             return None
-        calls = []
-        for call in parsed if isinstance(parsed, list) else [parsed]:
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                return None
-            arguments = call.get("arguments", {})
-            calls.append((call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments),
-                          call["id"] if isinstance(call.get("id"), str) else ""))
         return calls or None
 
 

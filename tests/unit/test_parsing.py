@@ -230,3 +230,21 @@ def test_harmony_reply_continuing_a_message_the_prompt_left_open_streams_as_it_c
                                     "<|start|>assistant<|channel|>final<|message|>Done.<|return|>"])
 def test_harmony_prompt_that_leaves_no_message_open_waits_for_the_header(prompt):
     assert HarmonyParser.open_header(prompt) is None
+
+
+def test_llama3_call_whose_arguments_hold_the_separator():
+    """Several calls are separated by ";", which a shell command or a query may hold too."""
+    for text in ['{"name": "run", "parameters": {"cmd": "cd /tmp; ls"}}',
+                 '<|python_tag|>{"name": "run", "parameters": {"cmd": "cd /tmp; ls"}};{"name": "f", "parameters": {}}']:
+        content, calls = parse_all(ToolCallParser("llama3"), [text[:9], text[9:]])
+        assert content == "" and json.loads(calls[0].arguments) == {"cmd": "cd /tmp; ls"}
+    assert [c.name for c in calls] == ["run", "f"]
+
+
+def test_llama3_json_answer_with_a_name_is_not_a_call():
+    """A bare JSON reply is a call only with arguments and a name among the request's tools."""
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    for text in ['{"name": "Alice", "age": 30}', '{"name": "Alice", "parameters": {}}', '{"name": "lookup"}']:
+        assert parse_all(ToolCallParser("llama3", tools), [text]) == (text, [])
+    assert [c.name for c in parse_all(ToolCallParser("llama3", tools), ['{"name": "lookup", "parameters": {}}'])[1]] \
+        == ["lookup"]

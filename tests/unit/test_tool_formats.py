@@ -73,3 +73,14 @@ def test_loading_a_parser_does_not_import_mlx():
             "assert load_tool_format('glm47') is not None; "
             "assert not any(m == 'mlx' or m.startswith(('mlx.', 'mlx_lm')) for m in sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name, value", [("glm47", "{1, 2}"), ("glm47", "b'x'"), ("qwen3_coder", "{1, 2}")])
+def test_a_value_the_parser_reads_as_python_but_not_json_leaves_the_call_as_text(name, value):
+    """qwen3_coder's and glm47's parsers read a value that is no string with ast.literal_eval: a set
+    or bytes is no JSON (it was a 500 for the whole request)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "array"}}}}}]
+    call = CALLS[name].replace("Paris", value)
+    content, calls = streamed(ToolCallParser(name, tools, load_tool_format(name)), call, 5)
+    assert calls == [] and content == call
