@@ -11,6 +11,7 @@ import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.tool_formats import ToolFormat
 
@@ -225,7 +226,8 @@ def _json_values(text: str, separator: str) -> list | None:
     separator if any, between them); None if it holds anything else. Not a
     split on the separator: a call's arguments may hold it ("cd /tmp; ls")."""
     decoder = json.JSONDecoder()
-    values, at = [], 0
+    values: list[Any] = []
+    at = 0
     while True:
         while at < len(text) and (text[at].isspace() or text[at] == separator and values):
             at += 1
