@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import (
     KVCache,
     LRUPromptCache,
@@ -142,6 +143,7 @@ class PrefixCache:
     def keep(self, tokens: list[int], cache: list) -> None:
         """Remember the KV state of `tokens` (a finished or aborted request's)."""
         if tokens and cache:
+            own_buffers(cache)
             if self.disk is not None:
                 self.disk.save(tokens, cache)
             self._lru.insert_cache(MODEL_KEY, list(tokens), cache)
@@ -152,6 +154,20 @@ class PrefixCache:
                                 disk_tokens=disk.restored_tokens if disk else 0, disk_hits=self.disk_hits,
                                 disk_bytes=disk.nbytes if disk else 0, lookups=self.lookups,
                                 prefilled_tokens=self.prefilled_tokens)
+
+
+def own_buffers(cache: list) -> None:
+    """Gives a request's KV state buffers of its own, of its own size. What
+    mlx-lm hands back is a lazy copy of the request's row of the batch (or a
+    view of a longer cached sequence, for one aborted before its prefill):
+    until computed, it holds the batch's whole buffers, every row of them,
+    where the budget counts one row. Scheduled, not waited for: the step
+    after it is already on its way."""
+    for layer in cache:
+        if isinstance(layer, KVCache) and layer.keys is not None:
+            layer.keys = mx.contiguous(layer.keys[..., : layer.offset, :])
+            layer.values = mx.contiguous(layer.values[..., : layer.offset, :])
+    mx.async_eval([layer.state for layer in cache])
 
 
 def drop_past_offset(cache: list) -> None:

@@ -3,7 +3,10 @@ request resumed part-way through its answer, and a step that fails part-way."""
 
 from __future__ import annotations
 
+import gc
+
 import llguidance
+import mlx.core as mx
 import pytest
 
 from protocol import AddRequest, Sampling
@@ -121,3 +124,27 @@ def test_a_request_aborted_and_added_again_in_one_batch_runs(loaded, tmp_path, o
         worker._connection.close(linger=0)
         worker.socket.close(linger=0)
         worker._context.term()
+
+
+def test_the_prefix_cache_holds_the_memory_it_counts(loaded):
+    """A finished request's KV state is a copy of its row of the batch; left
+    lazy, each entry held the batch's whole buffers (every row) as they were
+    when it finished, where the budget counted one row."""
+    mx.eval(loaded.model.parameters())
+    gc.collect()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    cache = PrefixCache(1 << 30)
+    engine = Engine(loaded.model, eos_token_ids=loaded.eos_token_ids, vocab_size=loaded.vocab_size,
+                    context_length=512, capacity=8, prefill_batch_size=8, prefill_step_size=512, prefix_cache=cache)
+    prompts = [loaded.hf_tokenizer.encode(f"{i} {SENTENCE} " * 30)[:400] for i in range(8)]
+    answers(engine, *[AddRequest(f"r{i}", p, Sampling(max_tokens=2 + 3 * i, ignore_eos=True))
+                      for i, p in enumerate(prompts)])
+    del engine
+    gc.collect()
+    mx.synchronize()
+    mx.clear_cache()
+    held = mx.get_active_memory() - base
+    counted = cache.stats().bytes
+    assert cache.stats().entries == 8 and counted > 0
+    assert held <= 1.1 * counted, f"held {held} bytes for {counted} counted"
