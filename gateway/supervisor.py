@@ -28,7 +28,7 @@ import msgspec
 
 from gateway.worker_link import WorkerLink
 from protocol import EXIT_LOAD_FAILED, LoadFailed
-from protocol.settings import to_arguments
+from protocol.settings import to_arguments, without_variables
 from protocol.worker_settings import WorkerSettings
 
 log = logging.getLogger("mlxd.gateway.supervisor")
@@ -90,13 +90,15 @@ class WorkerSupervisor:
     async def _run(self) -> None:
         backoff = INITIAL_BACKOFF_S
         argv = [sys.executable, "-m", "worker", *to_arguments(self.settings)]
+        # The settings were resolved here, the variables with them; the flags carry them all.
+        environ = without_variables(os.environ, WorkerSettings)
         first = True
         while not self._stopping:
             started = time.monotonic()
             # A process group of its own, in the same session: a terminal's
             # Ctrl-C goes to the foreground group only, while the scheduler
             # (Linux autogroups are per session) weighs it as before.
-            self.process = await asyncio.create_subprocess_exec(*argv, process_group=0)
+            self.process = await asyncio.create_subprocess_exec(*argv, process_group=0, env=environ)
             log.info("started worker pid %d", self.process.pid)
             status = await self.process.wait()
             self.link.worker_process_exited(self.process.pid, status)

@@ -141,6 +141,14 @@ def to_arguments(settings: msgspec.Struct) -> list[str]:
     return argv
 
 
+def without_variables(environ: Mapping[str, str], settings_type: type[msgspec.Struct]) -> dict[str, str]:
+    """`environ` less the settings' MLXD_* variables: for a process given its
+    settings as flags, which must not read an inherited variable for a flag
+    left out because its value is the default."""
+    names = {env_name(f.name, settings_type) for f in _fields(settings_type)}
+    return {k: v for k, v in environ.items() if k not in names}
+
+
 def to_environment(settings: msgspec.Struct) -> dict[str, str]:
     """The MLXD_* variables that reproduce `settings` in another process's `resolve`."""
     return {

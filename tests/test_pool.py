@@ -118,6 +118,15 @@ def test_serve_ends_when_one_of_its_models_cannot_load(models, tmp_path):
     assert last.startswith("mlxd: error: cannot load the model:") and "nope" in last, last
 
 
+def test_a_flag_at_its_default_wins_over_an_inherited_variable(models, tmp_path):
+    """Flags win over variables: the worker `mlxd serve` starts gets its settings as flags, and must not
+    read a variable for one left out because it is at its default."""
+    with running(["serve", "--model", f"alpha={models['alpha']}", "--max-batch", "32"], tmp_path / "serve.log",
+                 env={"MLXD_MAX_BATCH": "2"}) as server:
+        wait_for(lambda: server.health()["worker"].get("ready"), 60, "the worker")
+        assert server.health()["worker"]["capacity"] == 32
+
+
 # ---- the pool: models load when asked for, unload when idle or to make room ----
 
 LAZY = {"MLXD_PRELOAD": "false"}
