@@ -51,7 +51,10 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
     Raises SystemExit, with the reason, for what makes serving impossible or
     unsafe: no API key beyond loopback, a worker endpoint in use or unsafe.
     """
-    keys = KeyRing(settings.api_key, settings.api_key_file, required=keys_required(settings))
+    try:
+        keys = KeyRing(settings.api_key, settings.api_key_file, required=keys_required(settings))
+    except OSError as e:
+        raise SystemExit(f"mlxd: cannot read --api-key-file {settings.api_key_file}: {e.strerror}") from None
     check_bind_policy(settings, keys.enabled)
     link = WorkerLink(
         settings.worker_endpoint,

@@ -26,18 +26,20 @@ import grp
 import os
 import plistlib
 import pwd
+import re
 import shutil
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 
 from gateway.security import KeyRing, keys_required
 from gateway.settings import GatewaySettings
 from protocol.settings import add_arguments, resolve, to_environment
-from protocol.worker_settings import WorkerSettings, announced_name
+from protocol.worker_settings import WorkerSettings, announced_name, split_model
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 PREFIX = "com.mlxd."
@@ -126,15 +128,45 @@ def checked_gateway(layout: Layout, gateway: GatewaySettings) -> tuple[GatewaySe
     return msgspec.structs.replace(gateway, api_key=[], api_key_file=str(layout.key_file)), gateway.api_key
 
 
+S = TypeVar("S", GatewaySettings, WorkerSettings)
+
+# The settings that name files or directories: the jobs run in the user's home
+# directory, so a path given relative to where `install` ran is made absolute.
+PATH_SETTINGS = {"api_key_file", "prefix_cache_dir", "curve_secret_key", "curve_server_key",
+                 "curve_authorized_keys"}
+
+
+def absolute_paths(settings: S) -> S:
+    """`settings` with each path among PATH_SETTINGS absolute."""
+    paths = {name: str(Path(value).expanduser().absolute()) for name in PATH_SETTINGS
+             if isinstance(value := getattr(settings, name, None), str) and value}
+    return msgspec.structs.replace(settings, **paths)
+
+
+def absolute_model(model: str) -> str:
+    """A --model value whose SOURCE is a directory here, made absolute (a hub
+    repo id, which is no directory here, stays as it is)."""
+    name, source = split_model(model)
+    if not source or not Path(source).expanduser().is_dir():
+        return model
+    source = str(Path(source).expanduser().absolute())
+    return f"{name}={source}" if name else source
+
+
 def worker_jobs(worker: WorkerSettings, models: list[str]) -> dict[str, WorkerSettings]:
     """The worker jobs: "worker" for one model, "worker.NAME" for each of several (named NAME=SOURCE)."""
     if len(models) <= 1:
         return {"worker": msgspec.structs.replace(worker, model=models[0]) if models else worker}
-    jobs = {f"worker.{announced_name(msgspec.structs.replace(worker, model=m))}":
+    jobs = {worker_job(announced_name(msgspec.structs.replace(worker, model=m))):
             msgspec.structs.replace(worker, model=m) for m in models}
     if len(jobs) != len(models):
         raise LaunchdError(f"--model: two models have one name ({', '.join(models)}); name each as NAME=SOURCE")
     return jobs
+
+
+def worker_job(model: str) -> str:
+    """A model's worker job: its name made a label and a file name (a hub repo id's "/" is neither)."""
+    return "worker." + re.sub(r"[^\w.-]", "_", model)
 
 
 def render(layout: Layout, gateway: GatewaySettings, workers: dict[str, WorkerSettings]) -> dict[str, dict]:
@@ -168,9 +200,13 @@ def newsyslog(layout: Layout, jobs: list[str]) -> str:
     return "\n".join([*comments, *(line.replace("@JOB@", job) for job in jobs)]) + "\n"
 
 
-def _launchctl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+def _need_launchctl() -> None:
     if shutil.which("launchctl") is None:
         raise LaunchdError("launchctl not found: launchd runs mlxd as a service on macOS only")
+
+
+def _launchctl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    _need_launchctl()
     result = subprocess.run(["launchctl", *args], capture_output=True, text=True)
     if check and result.returncode != 0:
         raise LaunchdError(f"launchctl {' '.join(args)} failed: {result.stderr.strip() or result.returncode}")
@@ -229,6 +265,7 @@ def install(layout: Layout, jobs: dict[str, dict], keys: list[str], output: Path
         print(f"wrote {', '.join(f'{PREFIX}{job}.plist' for job in jobs)}, mlxd.newsyslog.conf"
               f"{f' and {layout.key_file.name} (installed as {layout.key_file})' if keys else ''} to {output}")
         return
+    _need_launchctl()  # before anything is written
     layout.plist_dir.mkdir(parents=True, exist_ok=True)
     layout.log_dir.mkdir(parents=True, exist_ok=True)
     if layout.system:
@@ -280,9 +317,9 @@ def restart_worker(layout: Layout, model: str | None) -> None:
     """Restart one model's worker (`model`: its NAME), or every worker."""
     workers = layout.installed()[1:]
     if model is not None:
-        if f"worker.{model}" not in workers:
+        if worker_job(model) not in workers:
             raise LaunchdError(f"no worker job for the model {model!r} (installed: {', '.join(workers)})")
-        workers = [f"worker.{model}"]
+        workers = [worker_job(model)]
     for job in workers:
         _launchctl("kickstart", "-k", layout.target(job))
         print(f"restarted {layout.target(job)}: it drains, hands its requests back, and a new one takes over")
@@ -317,10 +354,10 @@ def main(argv: list[str]) -> int:
         if args.command == "install":
             if args.dry_run != (args.output is not None):
                 parser.error("--dry-run and --output go together")
-            gateway, keys = checked_gateway(layout, resolve(GatewaySettings, args, environ={}))
-            models = args.model or []
+            gateway, keys = checked_gateway(layout, absolute_paths(resolve(GatewaySettings, args, environ={})))
+            models = [absolute_model(m) for m in args.model or []]
             args.model = None
-            workers = worker_jobs(resolve(WorkerSettings, args, environ={}), models)
+            workers = worker_jobs(absolute_paths(resolve(WorkerSettings, args, environ={})), models)
             install(layout, render(layout, gateway, workers), keys, args.output)
         elif args.command == "uninstall":
             uninstall(layout)

@@ -214,6 +214,13 @@ def test_a_second_gateway_on_the_same_endpoint_is_refused(split):  # noqa: F811
     s.gateway.wait_ready()  # the first one still gets its worker
 
 
+def test_an_unreadable_key_file_ends_the_start_with_the_reason(tmp_path):
+    result = mlxd("gateway", "--api-key-file", str(tmp_path / "missing"), "--worker-endpoint",
+                  f"ipc://{tmp_path}/w.sock", "--port", str(free_port()), timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("mlxd: cannot read --api-key-file"), result.stderr
+
+
 # ---- 10: the smaller things --------------------------------------------------------
 
 

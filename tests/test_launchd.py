@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import plistlib
+import pwd
 import shutil
 import stat
 import subprocess
@@ -101,6 +102,33 @@ def test_api_keys_go_to_a_private_file_never_a_plist(tmp_path):
     given.write_text("k1\n")
     jobs = install(tmp_path, "--host", "0.0.0.0", "--api-key-file", str(given))
     assert jobs["gateway"]["EnvironmentVariables"]["MLXD_API_KEY_FILE"] == str(given)
+
+
+def test_paths_given_relative_to_the_install_are_made_absolute(tmp_path):
+    """The jobs run in the user's home directory: a relative path would name another file there."""
+    (tmp_path / "keys.txt").write_text("k1\n")
+    (tmp_path / "tiny").mkdir()
+    result = subprocess.run([*MLXD, "launchd", "install", "--dry-run", "--output", "out", "--host", "0.0.0.0",
+                             "--api-key-file", "keys.txt", "--model", "t=./tiny", "--model", "some/repo",
+                             "--prefix-cache-dir", "kv"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    plists = {p.name: plistlib.loads(p.read_bytes())["EnvironmentVariables"] for p in (tmp_path / "out").glob("*.plist")}
+    assert plists["com.mlxd.gateway.plist"]["MLXD_API_KEY_FILE"] == str(tmp_path / "keys.txt")
+    assert plists["com.mlxd.worker.t.plist"]["MLXD_MODEL"] == f"t={tmp_path / 'tiny'}"
+    assert plists["com.mlxd.worker.t.plist"]["MLXD_PREFIX_CACHE_DIR"] == str(tmp_path / "kv")
+    assert plists["com.mlxd.worker.some_repo.plist"]["MLXD_MODEL"] == "some/repo"  # a hub repo id stays as it is
+
+
+@pytest.mark.skipif(shutil.which("launchctl") is not None, reason="would install for real")
+def test_install_without_launchctl_writes_nothing():
+    layout = launchd.Layout(False, pwd.getpwuid(os.getuid()).pw_name)
+    paths = (layout.key_file, layout.plist_dir, layout.log_dir)
+    before = [p.exists() for p in paths]
+    result = subprocess.run([*MLXD, "launchd", "install", "--api-key", "k1"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 1 and "launchctl not found" in result.stderr
+    assert [p.exists() for p in paths] == before
 
 
 @pytest.mark.skipif(shutil.which("launchctl") is not None, reason="would query a real install")
