@@ -31,7 +31,7 @@ from gateway.openai_responses import ResponsesAPI, ResponseStore
 from gateway.ops import LogTail, OpsAPI
 from gateway.pool import ModelPool, Unavailable
 from gateway.responses import MsgspecResponse
-from gateway.security import Guard, KeyRing, check_bind_policy, keys_required
+from gateway.security import Guard, KeyRing, check_bind_policy
 from gateway.serving import Serving
 from gateway.settings import GatewaySettings, PoolSettings
 from gateway.supervisor import local_pids
@@ -52,7 +52,7 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
     unsafe: no API key beyond loopback, a worker endpoint in use or unsafe.
     """
     try:
-        keys = KeyRing(settings.api_key, settings.api_key_file, required=keys_required(settings))
+        keys = KeyRing(settings.api_key, settings.api_key_file)
     except OSError as e:
         raise SystemExit(f"mlxd: cannot read --api-key-file {settings.api_key_file}: {e.strerror}") from None
     check_bind_policy(settings, keys.enabled)

@@ -300,17 +300,31 @@ def uninstall(layout: Layout) -> None:
         print(f"removed {layout.target(job)}")
 
 
-def status(layout: Layout, port: int) -> None:
+def status(layout: Layout, port: int | None) -> None:
     for job in layout.installed():
         result = _launchctl("print", layout.target(job), check=False)
         keep = ("state =", "pid =", "last exit code =", "runs =")
         lines = [line.strip() for line in result.stdout.splitlines() if line.strip().startswith(keep)]
         print(f"{layout.target(job)}: " + ("; ".join(lines) if result.returncode == 0 else "not loaded"))
+    url = gateway_url(layout, port)
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
             print(f"/health: {r.read().decode()}")
     except OSError as e:
         print(f"/health: no answer ({e})")
+
+
+def gateway_url(layout: Layout, port: int | None) -> str:
+    """Where the installed gateway listens: its plist's port and host (`port`, if given, wins)."""
+    env: dict = {}
+    with contextlib.suppress(OSError, plistlib.InvalidFileException):
+        with open(layout.plist_dir / f"{PREFIX}gateway.plist", "rb") as f:
+            env = plistlib.load(f).get("EnvironmentVariables", {})
+    defaults = GatewaySettings()
+    host = env.get("MLXD_HOST", defaults.host)
+    if host in ("0.0.0.0", "::", ""):  # every address: this machine's own answers too
+        host = "127.0.0.1"
+    return f"http://{f'[{host}]' if ':' in host else host}:{port or env.get('MLXD_PORT', defaults.port)}"
 
 
 def restart_worker(layout: Layout, model: str | None) -> None:
@@ -338,8 +352,9 @@ def main(argv: list[str]) -> int:
         if name == "install":
             sub.add_argument("--dry-run", action="store_true", help="write the files to --output; call nothing")
             sub.add_argument("--output", type=Path, help="with --dry-run: where to write the plists")
-            add_arguments(sub, WorkerSettings, exclude=frozenset({"worker_endpoint", "parent_pid"}))
-            add_arguments(sub, GatewaySettings, exclude=frozenset({"worker_endpoint"}))
+            # The jobs' settings are the flags given here, never this shell's MLXD_* variables.
+            add_arguments(sub, WorkerSettings, exclude=frozenset({"worker_endpoint", "parent_pid"}), variables=False)
+            add_arguments(sub, GatewaySettings, exclude=frozenset({"worker_endpoint"}), variables=False)
             sub.add_argument("--model", action="append", default=None, help=(
                 "a model, as SOURCE or NAME=SOURCE; repeatable: each one in a worker job of its own "
                 "(com.mlxd.worker.NAME), named NAME=SOURCE"))
@@ -347,7 +362,8 @@ def main(argv: list[str]) -> int:
             sub.add_argument("--model", default=None, help="the NAME of the model whose worker to restart "
                              "(default: every worker)")
         if name == "status":
-            sub.add_argument("--port", type=int, default=8000, help="the gateway's port, for /health")
+            sub.add_argument("--port", type=int, default=None,
+                             help="the gateway's port, for /health (default: the installed gateway's)")
     args = parser.parse_args(argv)
     try:
         layout = Layout(args.system, args.user)

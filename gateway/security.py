@@ -60,30 +60,29 @@ def _digest(key: str) -> bytes:
 class KeyRing:
     """The accepted API keys: from --api-key/MLXD_API_KEYS and --api-key-file (re-read on SIGHUP).
 
-    required: keys guard a non-loopback bind, so a reload that would leave
-    none (an emptied file, one of comments only) is refused and the keys
-    loaded before stay, just as start-up refuses to listen without keys.
+    A reload that would leave none (an emptied file, one of comments only) is
+    refused and the keys loaded before stay: keys once on never turn off with
+    a file saved half-written, beyond loopback or on it (where a proxy may
+    bring the LAN). Serving without keys takes a restart.
     """
 
-    def __init__(self, keys: list[str], key_file: str | None, required: bool = False,
-                 kind: str = "API keys") -> None:
+    def __init__(self, keys: list[str], key_file: str | None, kind: str = "API keys") -> None:
         self.kind = kind
         self._static = [k for k in keys if k]
         self._file = Path(key_file) if key_file else None
-        self._required = required
         self._digests: list[bytes] = []
         self.reload()
 
     def reload(self) -> None:
         """Re-read the key file. Raises OSError if it cannot be read and
-        ValueError if it would leave required keys empty; either way the keys
-        loaded before stay."""
+        ValueError if it would leave no key where there were some; either way
+        the keys loaded before stay."""
         keys = list(self._static)
         if self._file is not None:
             lines = self._file.read_text().splitlines()
             keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-        if self._required and self._digests and not keys:
-            raise ValueError(f"{self._file} holds no key, and the gateway listens beyond loopback")
+        if self._digests and not keys:
+            raise ValueError(f"{self._file} holds no key; the keys loaded before stay (restart to serve without keys)")
         self._digests = [_digest(k) for k in keys]
         if keys or self._file is not None:
             log.info("%d %s loaded", len(self._digests), self.kind)

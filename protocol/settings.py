@@ -46,15 +46,18 @@ def env_name(field: str, settings_type: type[msgspec.Struct]) -> str:
 
 
 def add_arguments(
-    parser: argparse.ArgumentParser, settings_type: type[msgspec.Struct], exclude: frozenset[str] = frozenset()
+    parser: argparse.ArgumentParser, settings_type: type[msgspec.Struct], exclude: frozenset[str] = frozenset(),
+    variables: bool = True,
 ) -> None:
-    """Add one flag per settings field; unset flags stay None so env and defaults apply."""
+    """Add one flag per settings field; unset flags stay None so env and defaults apply.
+    variables: whether the command reads the MLXD_* variables too (its help names them)."""
     for f in _fields(settings_type):
         if f.name in exclude:
             continue
         t, description = _unwrap(f.type)
         default = "" if f.default is mi.NODEFAULT else f" (default: {f.default!r})"
-        help_text = f"{description} [env {env_name(f.name, settings_type)}]{default}"
+        variable = f" [env {env_name(f.name, settings_type)}]" if variables else ""
+        help_text = f"{description}{variable}{default}"
         if isinstance(t, mi.BoolType):
             parser.add_argument(
                 flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction,

@@ -188,3 +188,21 @@ def test_root_writing_the_key_file_for_a_user_gives_it_and_its_directory_to_them
     layout.key_file.parent.symlink_to(tmp_path / "elsewhere")
     with pytest.raises(launchd.LaunchdError, match="symbolic link"):
         launchd.write_key_file(layout, ["k3"])
+
+
+def test_status_asks_the_installed_gateway_where_it_listens(tmp_path):
+    layout = launchd.Layout(False, pwd.getpwuid(os.getuid()).pw_name)
+    layout.plist_dir = tmp_path
+    assert launchd.gateway_url(layout, None) == "http://127.0.0.1:8000"  # nothing installed: the defaults
+    for host, url in (("0.0.0.0", "http://127.0.0.1:9001"), ("192.168.1.20", "http://192.168.1.20:9001"),
+                      ("::1", "http://[::1]:9001")):
+        plist = {"EnvironmentVariables": {"MLXD_PORT": "9001", "MLXD_HOST": host}}
+        (tmp_path / "com.mlxd.gateway.plist").write_bytes(plistlib.dumps(plist))
+        assert launchd.gateway_url(layout, None) == url
+    assert launchd.gateway_url(layout, 7000) == "http://[::1]:7000"
+
+
+def test_install_help_names_no_variables():
+    """install writes the flags given into the plists; it reads no MLXD_* variable of this shell."""
+    result = subprocess.run([*MLXD, "launchd", "install", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0 and "--port" in result.stdout and "[env MLXD_" not in result.stdout

@@ -14,26 +14,30 @@ def test_keys_from_flags_and_file(tmp_path):
     assert ring.identify("flag-key") != ring.identify("file-key")
 
 
-def test_a_required_ring_refuses_a_reload_that_empties_it(tmp_path):
+def test_a_reload_that_would_leave_no_key_is_refused(tmp_path):
+    """On loopback too: a proxy may bring the LAN there, and a file saved half-written must not turn keys off."""
     key_file = tmp_path / "keys"
     key_file.write_text("k1\n")
-    ring = KeyRing([], str(key_file), required=True)
-    key_file.write_text("# nothing\n")
-    with pytest.raises(ValueError, match="holds no key"):
-        ring.reload()
-    assert ring.identify("k1")  # the keys loaded before stay
+    ring = KeyRing([], str(key_file))
+    for emptied in ("# nothing\n", ""):
+        key_file.write_text(emptied)
+        with pytest.raises(ValueError, match="holds no key"):
+            ring.reload()
+        assert ring.identify("k1")  # the keys loaded before stay
     key_file.write_text("k2\n")
     ring.reload()
     assert ring.identify("k2") and not ring.identify("k1")
 
 
-def test_an_unrequired_ring_may_be_emptied(tmp_path):
+def test_a_file_with_no_key_at_start_leaves_keys_off(tmp_path):
     key_file = tmp_path / "keys"
-    key_file.write_text("k1\n")
+    key_file.write_text("# none yet\n")
     ring = KeyRing([], str(key_file))
-    key_file.write_text("")
-    ring.reload()
     assert not ring.enabled
+    ring.reload()  # still none: nothing turned off
+    key_file.write_text("k1\n")
+    ring.reload()
+    assert ring.enabled
 
 
 def test_an_unreadable_file_keeps_the_keys(tmp_path):
