@@ -289,13 +289,14 @@ class ModelPool:
 
     @property
     def ready(self) -> bool:
-        """The models loaded at start have been ready once, the pinned ones are
-        loaded, and none whose worker exited is without one again (a crash, a
-        restart: a model loading on demand is no reason to send clients elsewhere)."""
+        """The models loaded at start (the pinned ones among them) have been
+        ready once, and none whose worker exited is without one again (a crash,
+        a restart). A model unloaded by an operator, pinned or not, or loading
+        on demand is no reason to send clients elsewhere."""
         # One unloaded before it was ready (room for another model) is no longer awaited.
         self._starting = {name for name in self._starting if self.status(name) == "loading"}
         return not self._starting and all(self.status(m.name) == "loaded" for m in self.models.values()
-                                          if m.pinned or m.running and m.supervisor.restarted)
+                                          if m.running and m.supervisor.restarted)
 
     def status(self, name: str) -> str:
         """"loaded" (a ready worker serves it), "loading" (started, not ready yet) or "unloaded"."""

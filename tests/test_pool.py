@@ -335,7 +335,11 @@ def test_a_pinned_model_loads_at_start_and_stays(models, tmp_path):
         assert srv.http.post("/admin/models/alpha/unload").status_code == 401
         unloaded = srv.http.post("/admin/models/alpha/unload", headers={"Authorization": "Bearer admin-key-otter"})
         assert unloaded.status_code == 200 and statuses(srv)["alpha"] == "unloaded"
-        assert srv.http.get("/ready").status_code == 503  # a pinned model is not loaded
+        # The operator unloaded it: no reason to send clients elsewhere (it was a 503 until loaded again),
+        # and pinning it again while unloaded makes none either.
+        assert srv.http.get("/ready").status_code == 200
+        pinned = srv.http.post("/admin/models/alpha/pin", headers={"Authorization": "Bearer admin-key-otter"})
+        assert pinned.status_code == 200 and srv.http.get("/ready").status_code == 200
         ref = Reference(models["beta"])
         assert complete(srv, "beta")["choices"][0]["text"] == ref.greedy(ref.text_prompt(PROMPT), 8).text
     finally:
