@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from gateway.ledger import Charge, weights_on_disk
+from gateway.liveness import UNHEALTHY
 from gateway.supervisor import WorkerSupervisor
 from gateway.worker_link import WorkerLink
 from protocol.units import format_size
@@ -290,13 +291,15 @@ class ModelPool:
     @property
     def ready(self) -> bool:
         """The models loaded at start (the pinned ones among them) have been
-        ready once, and none whose worker exited is without one again (a crash,
-        a restart). A model unloaded by an operator, pinned or not, or loading
-        on demand is no reason to send clients elsewhere."""
+        ready once, and none whose worker exited or stopped answering is
+        without a ready one (a crash, a restart, a worker frozen). A model
+        unloaded by an operator, pinned or not, or loading on demand is no
+        reason to send clients elsewhere."""
         # One unloaded before it was ready (room for another model) is no longer awaited.
         self._starting = {name for name in self._starting if self.status(name) == "loading"}
+        unhealthy = {name for w in self.link.workers.values() if w.vitals.state in UNHEALTHY for name in w.names}
         return not self._starting and all(self.status(m.name) == "loaded" for m in self.models.values()
-                                          if m.running and m.supervisor.restarted)
+                                          if m.running and (m.supervisor.restarted or m.name in unhealthy))
 
     def status(self, name: str) -> str:
         """"loaded" (a ready worker serves it), "loading" (started, not ready yet) or "unloaded"."""

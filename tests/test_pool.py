@@ -118,6 +118,18 @@ def test_serve_ends_when_one_of_its_models_cannot_load(models, tmp_path):
     assert last.startswith("mlxd: error: cannot load the model:") and "nope" in last, last
 
 
+def test_a_frozen_models_worker_makes_the_server_not_ready_until_it_answers_again(pool):
+    """Its requests would wait and fail with a 503: a load balancer should send them elsewhere meanwhile."""
+    assert pool.http.get("/ready").status_code == 200
+    gamma = next(w["pid"] for w in pool.health()["workers"] if w["model"] == "gamma")
+    os.kill(gamma, signal.SIGSTOP)
+    try:
+        wait_for(lambda: pool.http.get("/ready").status_code == 503, 15, "/ready to see gamma's worker frozen")
+    finally:
+        os.kill(gamma, signal.SIGCONT)
+    wait_for(lambda: pool.http.get("/ready").status_code == 200, 15, "/ready once gamma's worker answers")
+
+
 def test_a_flag_at_its_default_wins_over_an_inherited_variable(models, tmp_path):
     """Flags win over variables: the worker `mlxd serve` starts gets its settings as flags, and must not
     read a variable for one left out because it is at its default."""
