@@ -3,7 +3,7 @@
 A worker that exits is restarted after a backoff that doubles from 0.5 s up
 to 30 s (and starts over once a worker has stayed up a minute). Five exits
 within a minute is a crash loop: reported in /health and the log, and retried
-at the slowest pace rather than spun. A worker the link reports hung is killed,
+at the slowest pace rather than spun, until a worker stays up a minute. A worker the link reports hung is killed,
 and so restarted. The first worker of a start that cannot load its model
 stops the supervisor and reports the reason (on_fatal): retrying would only
 fail the same way. The pool (gateway/pool.py) starts and stops supervisors as
@@ -42,6 +42,36 @@ CRASH_LOOP_WINDOW_S = 60.0
 LOAD_FAILED_WAIT_S = 1.0
 
 
+class Restarts:
+    """When to start a worker again after it exits, and whether it is in a
+    crash loop: CRASH_LOOP_EXITS exits within CRASH_LOOP_WINDOW_S, after which
+    it is retried at the slowest pace until a worker stays up STABLE_AFTER_S
+    (at that pace the window would soon hold fewer exits: that is no recovery)."""
+
+    def __init__(self) -> None:
+        self._backoff = INITIAL_BACKOFF_S
+        self._exits: list[float] = []
+        self._looping = False
+
+    def exited(self, started: float, now: float) -> float:
+        """A worker started at `started` exited at `now`: the seconds to wait before the next."""
+        if now - started >= STABLE_AFTER_S:  # it had recovered: start over
+            self._backoff, self._exits, self._looping = INITIAL_BACKOFF_S, [], False
+        self._exits = [t for t in self._exits if now - t < CRASH_LOOP_WINDOW_S] + [now]
+        self._looping = self._looping or len(self._exits) >= CRASH_LOOP_EXITS
+        wait = MAX_BACKOFF_S if self._looping else self._backoff
+        self._backoff = min(self._backoff * 2, MAX_BACKOFF_S)
+        return wait
+
+    def asked(self) -> None:
+        """A worker restarted on request: the next exit is waited on from the shortest pace."""
+        self._backoff = INITIAL_BACKOFF_S
+
+    def in_loop(self, running_since: float | None, now: float) -> bool:
+        """In a crash loop, unless the worker running since `running_since` (None: none runs) has recovered."""
+        return self._looping and not (running_since is not None and now - running_since >= STABLE_AFTER_S)
+
+
 class WorkerSupervisor:
     def __init__(self, settings: WorkerSettings, link: WorkerLink, stop_timeout_s: float) -> None:
         # The worker is its own program (`python -m worker`): the gateway
@@ -54,8 +84,8 @@ class WorkerSupervisor:
         self.process: asyncio.subprocess.Process | None = None
         self.restarts = 0
         self.last_exit_status: int | None = None
-        self.crash_loop = False
-        self._exits: list[float] = []
+        self._restarts = Restarts()
+        self._running_since: float | None = None
         self._stopping = False
         self._restart_requested = False
         self._task: asyncio.Task | None = None
@@ -75,9 +105,13 @@ class WorkerSupervisor:
     async def start(self) -> None:
         self.link.load_failures.pop(self.model, None)  # an earlier start's
         self._stopping = False
-        self.crash_loop, self._exits = False, []  # a new start (the pool loads the model again) starts afresh
+        self._restarts = Restarts()  # a new start (the pool loads the model again) starts afresh
         self.restarted = False  # its worker exited since this start: the model was served and is not now
         self._task = asyncio.create_task(self._run(), name="mlxd-supervisor")
+
+    @property
+    def crash_loop(self) -> bool:
+        return self._restarts.in_loop(self._running_since, time.monotonic())
 
     def status(self) -> dict:
         return {
@@ -88,19 +122,19 @@ class WorkerSupervisor:
         }
 
     async def _run(self) -> None:
-        backoff = INITIAL_BACKOFF_S
         argv = [sys.executable, "-m", "worker", *to_arguments(self.settings)]
         # The settings were resolved here, the variables with them; the flags carry them all.
         environ = without_variables(os.environ, WorkerSettings)
         first = True
         while not self._stopping:
-            started = time.monotonic()
+            started = self._running_since = time.monotonic()
             # A process group of its own, in the same session: a terminal's
             # Ctrl-C goes to the foreground group only, while the scheduler
             # (Linux autogroups are per session) weighs it as before.
             self.process = await asyncio.create_subprocess_exec(*argv, process_group=0, env=environ)
             log.info("started worker pid %d", self.process.pid)
             status = await self.process.wait()
+            self._running_since = None
             self.link.worker_process_exited(self.process.pid, status)
             if self._stopping:
                 return
@@ -114,24 +148,17 @@ class WorkerSupervisor:
             self.last_exit_status = status
             if self._restart_requested:
                 self._restart_requested = False
-                backoff = INITIAL_BACKOFF_S
+                self._restarts.asked()
                 continue
-            if now - started >= STABLE_AFTER_S:
-                backoff = INITIAL_BACKOFF_S
-            self._exits = [t for t in self._exits if now - t < CRASH_LOOP_WINDOW_S] + [now]
-            self.crash_loop = len(self._exits) >= CRASH_LOOP_EXITS
+            backoff = self._restarts.exited(started, now)
             if self.crash_loop:
-                backoff = MAX_BACKOFF_S
-                log.error(
-                    "worker crash loop: %d exits within %gs (last status %s); retrying every %gs",
-                    len(self._exits), CRASH_LOOP_WINDOW_S, status, MAX_BACKOFF_S,
-                )
+                log.error("worker crash loop: %d exits within %gs, or slow retries since (last status %s); "
+                          "retrying every %gs", CRASH_LOOP_EXITS, CRASH_LOOP_WINDOW_S, status, MAX_BACKOFF_S)
             log.warning(
                 "worker pid %d exited with status %s after %.1fs; restarting in %.1fs",
                 self.process.pid, status, now - started, backoff,
             )
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, MAX_BACKOFF_S)
 
     async def _fail_to_start(self) -> None:
         def failure() -> LoadFailed | None:
