@@ -135,7 +135,7 @@ class WorkerSupervisor:
             log.info("started worker pid %d", self.process.pid)
             status = await self.process.wait()
             self._running_since = None
-            self.link.worker_process_exited(self.process.pid, status)
+            self.link.worker_process_exited(self.process.pid, status, asked=self._stopping or self._restart_requested)
             if self._stopping:
                 return
             if status == EXIT_LOAD_FAILED and first:

@@ -116,7 +116,7 @@ class WorkerEvent:
     at: float  # time.time()
     pid: int
     model: str
-    event: str  # "ready", a liveness change ("unresponsive", "hung", "draining", "ready again"), "lost", "load failed"
+    event: str  # "ready", a liveness change ("unresponsive", "hung", "draining", "ready again"), "lost", "stopped", "load failed"
     detail: str = ""
 
 
@@ -403,7 +403,8 @@ class WorkerLink:
             w.vitals.draining = True
             self._assess(w)
         elif isinstance(message, Goodbye):
-            self._lose_worker(w, f"it said goodbye ({message.reason})", handed_back=set(message.handed_back))
+            self._lose_worker(w, f"it said goodbye ({message.reason})", handed_back=set(message.handed_back),
+                              lost=not message.clean)
 
     async def _tokenizer_for(self, hello: Hello) -> Tokenizer:
         """The tokenizer of a worker's files: a serving worker's, else one load
@@ -565,11 +566,12 @@ class WorkerLink:
             self._fail_embeds(w, "the connection to the worker broke while it embedded")
             self._assess(w)
 
-    def worker_process_exited(self, pid: int, status: int | None) -> None:
-        """`mlxd serve`'s supervisor saw the worker process end."""
+    def worker_process_exited(self, pid: int, status: int | None, asked: bool = False) -> None:
+        """`mlxd serve`'s supervisor saw the worker process end; `asked`: it had been told to stop."""
         for w in list(self.workers.values()):
             if w.hello.pid == pid:
-                self._lose_worker(w, f"its process exited with status {status}", handed_back=set())
+                self._lose_worker(w, f"its process exited with status {status}", handed_back=set(),
+                                  lost=not (asked and status == 0))
 
     def _on_error(self, error: Error, identity: bytes) -> None:
         """A worker's error about a request: only the request's own worker's counts."""
@@ -584,13 +586,17 @@ class WorkerLink:
         if state is not None and state.worker == identity:
             self.outputs.fail(state.request_id, f"the worker rejected the request: {error.message}", 500)
 
-    def _lose_worker(self, w: WorkerState, why: str, handed_back: set[str]) -> None:
+    def _lose_worker(self, w: WorkerState, why: str, handed_back: set[str], lost: bool = True) -> None:
+        """The worker is gone; `lost`: not as it was asked to (a drain, an unload), which is counted and shown."""
         if self.workers.pop(w.identity, None) is None:
             return
-        log.warning("worker pid %d lost: %s", w.hello.pid, why)
-        self._event(w.hello.pid, w.hello.model, "lost", why)
+        if lost:
+            log.warning("worker pid %d lost: %s", w.hello.pid, why)
+            self.stats.workers_lost += 1
+        else:
+            log.info("worker pid %d stopped: %s", w.hello.pid, why)
+        self._event(w.hello.pid, w.hello.model, "lost" if lost else "stopped", why)
         self._update_ready()
-        self.stats.workers_lost += 1
         self._fail_embeds(w, f"the worker was lost while embedding: {why}")
         states = [s for s in self.outputs if s.worker == w.identity]
         self._move_on(states, [s.wire_id not in handed_back for s in states], why)

@@ -265,6 +265,8 @@ class Goodbye(_Message, tag="goodbye"):
 
     reason: str
     handed_back: list[str] = []
+    # It stopped as asked (a drain, an unload), not for a failure: no loss.
+    clean: bool = False
 
 
 class LoadFailed(_Message, tag="load_failed"):

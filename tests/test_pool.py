@@ -233,11 +233,15 @@ def test_admin_unload_and_load(lazy_pool):
     assert loaded.status_code == 200 and loaded.json() == {"model": "beta", "status": "loaded"}
     assert statuses(lazy_pool)["beta"] == "loaded"
     pid = next(w["pid"] for w in lazy_pool.health()["workers"] if w["model"] == "beta")
+    lost = lazy_pool.health()["worker"]["workers_lost"]
     unloaded = lazy_pool.http.post("/admin/models/beta/unload")
     assert unloaded.status_code == 200 and unloaded.json() == {"model": "beta", "status": "unloaded"}
     assert statuses(lazy_pool)["beta"] == "unloaded"
     assert all(w["model"] != "beta" for w in lazy_pool.health()["workers"])
     wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 10, "beta's worker to exit")
+    # Stopped as asked: no loss counted, none shown on the ops page.
+    assert lazy_pool.health()["worker"]["workers_lost"] == lost
+    assert not [w for w in lazy_pool.http.get("/admin/state").json()["lost_workers"] if w["pid"] == pid]
     missing = lazy_pool.http.post("/admin/models/delta/load")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 

@@ -419,7 +419,7 @@ class Worker(EngineRunner):
             self.handed_back += self.engine.abort_all()
         if self.handed_back:
             log.info("handing %d unfinished requests back to the gateway", len(self.handed_back))
-        self.send(Goodbye("the worker is stopping" if clean else "the worker failed", self.handed_back))
+        self.send(Goodbye("the worker is stopping" if clean else "the worker failed", self.handed_back, clean))
         self.socket.disable_monitor()
         self._connection.close()
         self.socket.close()
