@@ -10,6 +10,11 @@ from mlx_lm.sample_utils import Sampler, apply_min_p, apply_top_k, apply_top_p
 from protocol import Sampling
 
 
+# Temperatures below this are greedy: smaller ones send every logit to -inf in
+# float32 (1/T overflows, or the scaled logits do), and the draw is then uniform.
+GREEDY_BELOW = 1e-5
+
+
 def make_sampler(params: Sampling, vocab_size: int, drawn: int = 0) -> Sampler | None:
     """None for greedy, so every greedy request shares the generator's batched
     argmax; otherwise a sampler with its own random stream.
@@ -20,7 +25,7 @@ def make_sampler(params: Sampling, vocab_size: int, drawn: int = 0) -> Sampler |
     tokens a request resumed on this worker had generated, whose keys were
     drawn on the worker before (its next token takes the key it would have).
     """
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         return None
     filters = []
     if 0 < params.top_p < 1:
