@@ -9,7 +9,6 @@ from mlx_lm.sample_utils import Sampler, apply_min_p, apply_top_k, apply_top_p
 
 from protocol import Sampling
 
-
 # Temperatures below this are greedy: smaller ones send every logit to -inf in
 # float32 (1/T overflows, or the scaled logits do), and the draw is then uniform.
 GREEDY_BELOW = 1e-5
