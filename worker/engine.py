@@ -16,7 +16,7 @@ from time import perf_counter
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.sample_utils import make_frequency_penalty, make_logits_processors, make_presence_penalty
 
 from protocol import AddRequest, PrefixCacheStats, RequestOutput, TokenLogprob
 from protocol.codec import images_key
@@ -33,6 +33,11 @@ MAX_TOP_LOGPROBS = 20
 # to this share of a decode step's time, so running text streams slow to at
 # most about 1.5 times their pace meanwhile.
 IMAGE_WORK_SHARE = 0.5
+
+
+def over_completion(processor: Callable, start: int) -> Callable:
+    """A logits processor that sees the context's tokens from `start` on."""
+    return lambda tokens, logits: processor(tokens[start:], logits)
 
 
 class InvalidRequest(ValueError):
@@ -166,16 +171,19 @@ class Engine:
         s = request.sampling
         stop_ids = [] if s.ignore_eos else self.eos_token_ids
         max_tokens = min(s.max_tokens, self.context_length - len(request.prompt_token_ids))
-        # Penalties look back over the whole context: prompt and completion.
+        # The repetition penalty looks back over the whole context; presence and frequency, as OpenAI
+        # defines them, over the completion only: the tokens from `completion` on in mlx-lm's context
+        # (the prompt, then each token as it is generated; a resumed request's own are in its prompt).
         processors = make_logits_processors(
             logit_bias=s.logit_bias or None,
             repetition_penalty=s.repetition_penalty if s.repetition_penalty != 1.0 else None,
             repetition_context_size=self.context_length,
-            presence_penalty=s.presence_penalty or None,
-            presence_context_size=self.context_length,
-            frequency_penalty=s.frequency_penalty or None,
-            frequency_context_size=self.context_length,
         )
+        completion = len(request.prompt_token_ids) - request.generated_tokens
+        for make_penalty, penalty in ((make_presence_penalty, s.presence_penalty),
+                                      (make_frequency_penalty, s.frequency_penalty)):
+            if penalty:
+                processors.append(over_completion(make_penalty(penalty, self.context_length), completion))
         if s.grammar is not None:
             if self.grammars is None:
                 raise InvalidRequest("this worker cannot follow grammars")

@@ -8,6 +8,7 @@ import gc
 import llguidance
 import mlx.core as mx
 import pytest
+from mlx_lm.generate import generate_step
 
 from protocol import AddRequest, Sampling
 from worker.engine import Engine
@@ -158,3 +159,40 @@ def test_a_vanishing_temperature_is_greedy(loaded, temperature):
     cold = answers(engine_for(loaded), AddRequest("a", prompt, Sampling(max_tokens=12, ignore_eos=True,
                                                                         temperature=temperature, seed=3)))["a"]
     assert cold == greedy
+
+
+def test_presence_and_frequency_penalties_count_the_completion_only(loaded):
+    """OpenAI's penalties count the tokens sampled so far, not the prompt's; a request
+    resumed part-way counts the tokens it had generated before as its own."""
+    prompt = loaded.hf_tokenizer.encode(f"{SENTENCE} {SENTENCE}")
+    plain = Sampling(max_tokens=1, logprobs=5, logit_bias={t: 3.0 for t in prompt})
+    penalized = Sampling(max_tokens=1, logprobs=5, logit_bias={t: 3.0 for t in prompt},
+                         presence_penalty=2.0, frequency_penalty=1.0)
+
+    def first_logprobs(sampling: Sampling):
+        engine = engine_for(loaded)
+        engine.add(AddRequest("a", prompt, sampling))
+        while engine.has_work:
+            for output in engine.step():
+                return output.logprobs[0]
+
+    assert first_logprobs(penalized) == first_logprobs(plain)  # nothing generated yet: nothing to penalize
+
+    def completion_penalties(tokens, logits):
+        generated = tokens[len(prompt):]
+        if len(generated):
+            logits[:, generated] -= 2.0  # presence
+            logits = logits.at[:, generated].subtract(1.0)  # frequency, once per occurrence
+        return logits
+
+    sampling = Sampling(max_tokens=24, ignore_eos=True, presence_penalty=2.0, frequency_penalty=1.0)
+    expected = [int(t) for t, _ in generate_step(mx.array(prompt), loaded.model, max_tokens=24,
+                                                 logits_processors=[completion_penalties])]
+    assert answers(engine_for(loaded), AddRequest("a", prompt, sampling))["a"] == expected
+    greedy = answers(engine_for(loaded), AddRequest("a", prompt, Sampling(max_tokens=24, ignore_eos=True)))["a"]
+    assert greedy != expected  # the penalties changed the answer: they were applied
+    k = 7
+    resumed = answers(engine_for(loaded), AddRequest("a", prompt + expected[:k],
+                                                     Sampling(max_tokens=24 - k, ignore_eos=True, presence_penalty=2.0,
+                                                              frequency_penalty=1.0), generated_tokens=k))["a"]
+    assert expected[:k] + resumed == expected
