@@ -6,6 +6,7 @@ worker sees anything; the worker only follows them.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping
@@ -28,7 +29,32 @@ COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator"
 
 
 def _compact(schema: dict) -> dict:
+    schema = _known_formats_only(schema)
     return {**schema, "x-guidance": {**COMPACT, **schema.get("x-guidance", {})}}
+
+
+@functools.lru_cache(maxsize=256)
+def _format_known(name: str) -> bool:
+    """Whether llguidance can hold a string to this JSON Schema format."""
+    return not llguidance.LLMatcher.validate_grammar(
+        llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "format": name}))
+
+
+# Keys whose values are data, not schemas: a "format" key in them is the data's.
+DATA_KEYS = ("const", "enum", "default", "examples")
+
+
+def _known_formats_only(value):
+    """The schema without the string formats llguidance does not know. JSON
+    Schema makes `format` an annotation a validator may ignore, and common
+    schemas carry many (Pydantic writes `password`, `binary`, `path`; OpenAPI
+    `byte`, `int64`): llguidance would refuse the whole schema for one."""
+    if isinstance(value, dict):
+        return {key: item if key in DATA_KEYS else _known_formats_only(item) for key, item in value.items()
+                if not (key == "format" and isinstance(item, str) and not _format_known(item))}
+    if isinstance(value, list):
+        return [_known_formats_only(item) for item in value]
+    return value
 
 
 def json_schema_grammar(schema: dict | None, param: str = "response_format") -> str:

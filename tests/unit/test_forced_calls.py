@@ -9,7 +9,7 @@ import pytest
 from tokenizers import AddedToken
 
 from gateway.parsing import HarmonyParser, ToolCallParser
-from gateway.structured import forced_tool_call_grammar
+from gateway.structured import forced_tool_call_grammar, json_schema_grammar
 from gateway.tool_formats import load_tool_format
 from tests.tiny_model import train_tokenizer
 
@@ -98,3 +98,21 @@ def test_definitions_a_schema_refers_to_stay_within_reach(tokenizer, family):
     _, text = CALLS[family]
     assert accepts(tokenizer, grammar, text)
     assert not accepts(tokenizer, grammar, text.replace("3", '"three"', 1))
+
+
+def test_string_formats_llguidance_does_not_know_are_annotations(tokenizer):
+    """Pydantic writes `password`, `binary`, `path`; OpenAPI `byte`: llguidance refused the whole
+    schema (a 400). Known formats still hold, the rest of the schema too, and data is left alone."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["secret", "when"], "properties": {
+        "secret": {"type": "string", "format": "password", "maxLength": 3},
+        "blob": {"type": "string", "format": "binary"},
+        "when": {"type": "string", "format": "date"},
+        "kind": {"const": {"format": "binary"}},
+    }}
+    grammar = json_schema_grammar(schema)
+    assert accepts(tokenizer, grammar, '{"secret": "abc", "when": "2026-11-26"}')
+    assert not accepts(tokenizer, grammar, '{"secret": "abcd", "when": "2026-11-26"}')  # maxLength holds
+    assert not accepts(tokenizer, grammar, '{"secret": "abc", "when": "soon"}')  # a known format holds
+    assert accepts(tokenizer, grammar, '{"secret": "abc", "when": "2026-11-26", "kind": {"format": "binary"}}')
+    tool = {"type": "function", "function": {"name": "login", "parameters": schema}}
+    assert forced_tool_call_grammar([tool], "hermes")
