@@ -143,9 +143,16 @@ def _tagged_value(schema: dict | bool, close: str, tokens: Mapping[str, int], de
     a definition or combines schemas is JSON, with the definitions beside it."""
     if not isinstance(schema, dict):
         schema = {}
-    if schema.get("enum") and all(isinstance(value, str) for value in schema["enum"]):
-        return "(" + " | ".join(json.dumps(value) for value in schema["enum"]) + ") " + _text(close, tokens)
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        # Each value as the parser reads it back: a string raw, anything else as its JSON text.
+        values = [value if isinstance(value, str) else json.dumps(value) for value in schema["enum"]]
+        return "(" + " | ".join(json.dumps(value) for value in values) + ") " + _text(close, tokens)
     if schema.get("type") == "string" or ("type" not in schema and not any(k in schema for k in COMPOSITE)):
+        low, high = schema.get("minLength"), schema.get("maxLength")
+        low = low if isinstance(low, int) and low > 0 else 0
+        high = high if isinstance(high, int) and high >= low else None
+        if low or high is not None:  # held to the schema's length, the tag's own newline after it
+            return f"/[^<]{{{low},{'' if high is None else high}}}/ " + _text(close, tokens)
         return "/[^<]*/ " + _text(close.lstrip("\n"), tokens)  # the newline before the tag is the value's
     return f"{_arguments({**schema, **definitions})} {_text(close, tokens)}"
 

@@ -9,7 +9,7 @@ import pytest
 from tokenizers import AddedToken
 
 from gateway.parsing import HarmonyParser, ToolCallParser
-from gateway.structured import forced_tool_call_grammar, json_schema_grammar
+from gateway.structured import TAGGED, forced_tool_call_grammar, json_schema_grammar
 from gateway.tool_formats import load_tool_format
 from tests.tiny_model import train_tokenizer
 
@@ -116,3 +116,24 @@ def test_string_formats_llguidance_does_not_know_are_annotations(tokenizer):
     assert accepts(tokenizer, grammar, '{"secret": "abc", "when": "2026-11-26", "kind": {"format": "binary"}}')
     tool = {"type": "function", "function": {"name": "login", "parameters": schema}}
     assert forced_tool_call_grammar([tool], "hermes")
+
+
+@pytest.mark.parametrize("family", ["qwen3_coder", "glm47", "minimax_m2"])
+@pytest.mark.parametrize("value, good, bad", [
+    ({"enum": [1, 2, 3]}, "2", "banana"),
+    ({"enum": ["a", None]}, "a", "banana"),
+    ({"type": "string", "maxLength": 3}, "abc", "banana"),
+    ({"type": "string", "minLength": 2, "maxLength": 4}, "abcd", "a"),
+])
+def test_a_tagged_format_holds_an_argument_to_its_enum_and_length(tokenizer, family, value, good, bad):
+    """Written raw between tags, a value was free text unless its enum was all strings."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"v": value}, "required": ["v"]}}}
+    tokens = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
+    grammar = forced_tool_call_grammar([tool], family, tokens)
+    call_open, arg_open, arg_close, call_close = TAGGED[family]
+
+    def call(text: str) -> str:
+        return call_open.format(name="f") + arg_open.format(key="v") + text + arg_close + call_close
+
+    assert accepts(tokenizer, grammar, call(good)) and not accepts(tokenizer, grammar, call(bad))
