@@ -195,10 +195,6 @@ def _usage(group: RequestGroup) -> Usage:
                  PromptTokensDetails(group.cached_tokens), CompletionTokensDetails(group.reasoning_tokens))
 
 
-def _token_bytes(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
-
-
 class _Output(abc.ABC):
     """One request's renderer (serving.Renderer): its SSE chunks and body; one subclass per endpoint."""
 
@@ -283,8 +279,8 @@ class ChatOutput(_Output):
     def _logprobs(tokens: list[TokenInfo]) -> ChatLogprobs:
         return ChatLogprobs([
             ChatTokenLogprob(
-                t.text, t.logprob, _token_bytes(t.text),
-                [TopLogprob(alt, lp, _token_bytes(alt)) for alt, lp in t.top],
+                t.text, t.logprob, list(t.raw),
+                [TopLogprob(alt, lp, list(raw)) for alt, raw, lp in t.top],
             )
             for t in tokens
         ])
@@ -337,7 +333,8 @@ class CompletionOutput(_Output):
             offsets.append(offset)
             offset += len(t.text)
         return CompletionLogprobs(
-            [t.text for t in tokens], [t.logprob for t in tokens], [dict(t.top) for t in tokens], offsets
+            [t.text for t in tokens], [t.logprob for t in tokens], [{alt: lp for alt, _, lp in t.top} for t in tokens],
+            offsets
         )
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, logprobs: list[TokenInfo]):

@@ -35,8 +35,9 @@ class TokenInfo:
     """One generated token's text and log-probabilities, for an API's logprobs."""
 
     text: str
+    raw: bytes  # the token's own bytes (its text may read U+FFFD for part of a character)
     logprob: float
-    top: list[tuple[str, float]]
+    top: list[tuple[str, bytes, float]]  # the likeliest tokens: text, bytes, logprob
 
 
 @dataclass(slots=True)
@@ -146,9 +147,10 @@ class RequestState:
         return Delta(text, self.index, reasoning, calls, finish, stop, logprobs)
 
     def _token_infos(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> list[TokenInfo]:
-        text = self._tokenizer.token_text
+        text, raw = self._tokenizer.token_text, self._tokenizer.token_bytes
         return [
-            TokenInfo(text(t), lp.logprob, [(text(a), alp) for a, alp in zip(lp.top_ids, lp.top_logprobs)])
+            TokenInfo(text(t), raw(t), lp.logprob,
+                      [(text(a), raw(a), alp) for a, alp in zip(lp.top_ids, lp.top_logprobs)])
             for t, lp in zip(token_ids, logprobs)
         ]
 

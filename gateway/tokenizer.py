@@ -10,6 +10,7 @@ step's tokens takes microseconds and runs on the event loop.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -31,6 +32,7 @@ from jinja2 import TemplateError  # noqa: E402
 from tokenizers import Tokenizer as RustTokenizer  # noqa: E402
 from tokenizers.decoders import DecodeStream  # noqa: E402
 from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, ProcessorMixin  # noqa: E402
+from transformers.convert_slow_tokenizer import bytes_to_unicode  # noqa: E402
 
 from gateway.call_ids import Style, call_id_style, fit_call_ids  # noqa: E402
 from gateway.parsing import detect_reasoning, detect_tool_family  # noqa: E402
@@ -239,6 +241,22 @@ class Tokenizer:
             return self.decode([token_id])
         return self.decode([anchor, token_id]).removeprefix(self.decode([anchor]))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's bytes (logprobs' `bytes`): its text's, unless it holds
+        only part of a character (its text reads U+FFFD), whose bytes the
+        vocabulary entry gives: SentencePiece's byte tokens (`<0xE2>`), or
+        byte-level BPE's characters, one per byte."""
+        text = self.token_text(token_id)
+        piece = self.rust.id_to_token(token_id)
+        if "\ufffd" not in text or piece is None:
+            return text.encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            with contextlib.suppress(ValueError):
+                return bytes([int(piece[3:5], 16)])
+        if all(c in BYTE_OF_CHAR for c in piece):
+            return bytes(BYTE_OF_CHAR[c] for c in piece)
+        return text.encode()
+
     @functools.cached_property
     def tool_family(self) -> str:
         return detect_tool_family(self._tok.chat_template or "")
@@ -250,6 +268,10 @@ class Tokenizer:
     @functools.cached_property
     def reasoning_markers(self) -> tuple[str, str] | None:
         return detect_reasoning(self._tok.chat_template or "", set(self._tok.get_vocab()))
+
+
+# Byte-level BPE (GPT-2's scheme) writes each byte of a token as one character.
+BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 class IncrementalDetokenizer:

@@ -26,3 +26,23 @@ def test_a_words_token_keeps_its_leading_space(rust):
     ids = rust.encode("the cat").ids
     pieces = [tokenizer.token_text(i) for i in ids]
     assert "".join(pieces).strip() == "the cat" and any(p.startswith(" ") for p in pieces)
+
+
+def byte_fallback() -> RustTokenizer:
+    """SentencePiece with byte fallback (Llama 2, Mistral): a character the vocabulary lacks is its bytes' tokens."""
+    vocab = {"<unk>": 0, "a": 1, "▁": 2, **{f"<0x{b:02X}>": 3 + i for i, b in enumerate("😀".encode())}}
+    tok = RustTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok
+
+
+@pytest.mark.parametrize("rust", [byte_fallback(), train_tokenizer()], ids=["byte-fallback", "byte-level"])
+def test_tokens_that_split_a_character_give_their_own_bytes(rust):
+    """OpenAI's `bytes` let a client join a character split across tokens; each part read U+FFFD's bytes."""
+    tokenizer = Tokenizer({"tokenizer.json": rust.to_str().encode(),
+                           "tokenizer_config.json": json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}).encode()})
+    ids = rust.encode("a😀", add_special_tokens=False).ids
+    parts = [tokenizer.token_bytes(i) for i in ids]
+    assert len(parts) > 2 and b"".join(parts).decode().strip() == "a😀"
+    assert any("\ufffd" in tokenizer.token_text(i) for i in ids)  # the case at hand: text alone cannot say
