@@ -18,6 +18,7 @@ def _worker_entry(w: WorkerState, now: float, local: set[int] | None = None) -> 
         pid=w.hello.pid,
         epoch=w.hello.epoch,
         model=w.hello.model,
+        names=w.names,  # what clients call it (--served-model-name, or the model's NAME)
         context_length=w.hello.context_length,
         capacity=w.hello.capacity,
         sampling_defaults=msgspec.structs.asdict(w.sampling),

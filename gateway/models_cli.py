@@ -62,13 +62,13 @@ def ps_main(argv: list[str]) -> int:
         """When the pool unloads the worker's model: in N s, once idle (-), never, or not the pool's (remote)."""
         if w.get("remote", True):
             return "remote"
-        model = models.get(w["model"], {})
+        model: dict = next((models[name] for name in w.get("names", []) if name in models), {})
         if model.get("pinned"):
             return "never"
         return "-" if model.get("unloads_in_s") is None else f"{model['unloads_in_s']:.0f}s"
 
     rows = [("MODEL", "PID", "STATE", "RUNNING", "WAITING", "STEPS", "CONTEXT", "MEMORY", "UNLOADS", "UP")]
-    rows += [(w["model"], str(w["pid"]), w["state"], str(w["running"]), str(w["waiting"]), str(w["steps"]),
+    rows += [((w.get("names") or [w["model"]])[0], str(w["pid"]), w["state"], str(w["running"]), str(w["waiting"]), str(w["steps"]),
               str(w["context_length"]), format_size(w["memory"]["active"]).replace(" ", "") if "memory" in w else "-",
               until(w), f"{w['up_s']:.0f}s") for w in health["workers"]]
     table(rows)

@@ -113,7 +113,6 @@ class OpsAPI:
         local = local_pids(self.supervisors)
         workers = workers_status(link, local)
         for w, entry in zip(link.workers.values(), workers):
-            entry["names"] = w.names
             entry["epoch"] = str(w.hello.epoch)  # 64 bits: more than a JavaScript number holds
         lost = [{"pid": e.pid, "model": e.model, "state": "lost", "lost_s_ago": round(now - e.at, 1),
                  "detail": e.detail}

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import re
+import subprocess
 import time
 
-from tests.conftest import MODEL_NAME
+from tests.conftest import MLXD, MODEL_NAME, ROOT
 
 LINE = re.compile(r'^[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? -?[0-9.e+-]+$|^# (HELP|TYPE) .+$')
 
@@ -64,3 +65,11 @@ def test_requests_are_counted_by_route_never_by_the_path_sent(server):
     assert not any("forged" in name or "resp_" in name for name in after)
     key = 'mlxd_requests_total{endpoint="/v1/responses/{response_id}",status="404"}'
     assert after.get(key, 0) - before.get(key, 0) == 2
+
+
+def test_mlxd_ps_names_a_model_as_clients_call_it(server):
+    """With --served-model-name, a worker's model is its source path: ps showed the path."""
+    result = subprocess.run([*MLXD, "ps", "--url", server.url], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    _, row = result.stdout.splitlines()
+    assert row.split()[0] == MODEL_NAME and server.health()["workers"][0]["names"] == [MODEL_NAME]
