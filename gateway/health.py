@@ -43,6 +43,11 @@ def _worker_entry(w: WorkerState, now: float, local: set[int] | None = None) -> 
     return entry
 
 
+def served_name(worker: dict[str, Any]) -> str:
+    """A worker entry's model as clients call it (its `model` is the source with --served-model-name)."""
+    return (worker.get("names") or [worker["model"]])[0]
+
+
 def workers_status(link: WorkerLink, local: set[int]) -> list[dict[str, Any]]:
     """One entry per connected worker (replicas included), oldest first; `local`: the pids this gateway started."""
     now = time.monotonic()

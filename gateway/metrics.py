@@ -11,6 +11,7 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admission import WORK
+from gateway.health import served_name
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -80,7 +81,7 @@ class Metrics:
             samples = [(w, value) for w in workers if (value := read(w)) is not None]
             if samples:
                 lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-                lines += [f'{name}{{model="{label(w["model"])}",pid="{w["pid"]}"}} {value}' for w, value in samples]
+                lines += [f'{name}{{model="{label(served_name(w))}",pid="{w["pid"]}"}} {value}' for w, value in samples]
         if ledger is not None:
             lines += ["# HELP mlxd_memory_budget_bytes The pool's memory budget (--memory-budget).",
                       "# TYPE mlxd_memory_budget_bytes gauge", f"mlxd_memory_budget_bytes {ledger['budget']}",

@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from gateway.health import served_name
 from gateway.ledger import hub_cache
 from gateway.model_facts import model_facts
 from protocol.units import format_size
@@ -68,7 +69,7 @@ def ps_main(argv: list[str]) -> int:
         return "-" if model.get("unloads_in_s") is None else f"{model['unloads_in_s']:.0f}s"
 
     rows = [("MODEL", "PID", "STATE", "RUNNING", "WAITING", "STEPS", "CONTEXT", "MEMORY", "UNLOADS", "UP")]
-    rows += [((w.get("names") or [w["model"]])[0], str(w["pid"]), w["state"], str(w["running"]), str(w["waiting"]), str(w["steps"]),
+    rows += [(served_name(w), str(w["pid"]), w["state"], str(w["running"]), str(w["waiting"]), str(w["steps"]),
               str(w["context_length"]), format_size(w["memory"]["active"]).replace(" ", "") if "memory" in w else "-",
               until(w), f"{w['up_s']:.0f}s") for w in health["workers"]]
     table(rows)

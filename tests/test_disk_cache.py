@@ -59,7 +59,7 @@ def test_kv_state_outlives_the_worker_and_a_damaged_file_costs_only_a_prefill(ti
         worker = srv.health()["worker"]
     assert warm.usage.prompt_tokens_details.cached_tokens >= 0.8 * len(prompt)
     assert restored == warm.usage.prompt_tokens_details.cached_tokens
-    labels = f'{{model="{worker["model"]}",pid="{worker["pid"]}"}}'
+    labels = f'{{model="{worker["names"][0]}",pid="{worker["pid"]}"}}'
     assert f"mlxd_prefix_cache_disk_tokens_total{labels} {restored}\n" in metrics
     assert f"mlxd_prefix_cache_prefilled_tokens_total{labels} {len(prompt) - restored}\n" in metrics
     assert warm.choices[0].message.content == expected

@@ -226,7 +226,7 @@ def test_an_image_seen_before_skips_the_vision_tower(client, vision_server, visi
     wait_for(lambda: image_hits() == before + 1, 2, "the feature cache's hit")
     metrics = vision_server.http.get("/metrics").text
     worker = vision_server.health()["worker"]
-    assert f'mlxd_image_feature_cache_hits_total{{model="{worker["model"]}",pid="{worker["pid"]}"}} {before + 1}\n' in metrics
+    assert f'mlxd_image_feature_cache_hits_total{{model="{worker["names"][0]}",pid="{worker["pid"]}"}} {before + 1}\n' in metrics
 
 
 def test_images_one_pixel_apart_never_share_cached_state(client, vision_reference):
