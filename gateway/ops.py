@@ -89,7 +89,8 @@ class History:
                 at=time.time(),
                 tokens_per_s=round(tokens / elapsed, 1),
                 ttft_ms=round(ttft_sum / started * 1000, 1) if started else None,
-                queue=sum(w.waiting for w in workers) + link.requests_waiting,
+                # Waiting in a worker, for one after a loss, or for a model to load or a worker to be ready.
+                queue=sum(w.waiting for w in workers) + link.requests_waiting + self.serving.leasing,
                 running=sum(w.vitals.running for w in workers),
             ))
 
@@ -119,7 +120,8 @@ class OpsAPI:
                 for e in link.events if e.event == "lost" and now - e.at < LOST_SHOWN_S]
         return MsgspecResponse({
             "server": {"status": "draining" if serving.draining else "ok", "up_s": round(now - serving.started, 1),
-                       "log_prompts": serving.settings.log_prompts, "requests_running": len(serving.running)},
+                       "log_prompts": serving.settings.log_prompts, "requests_running": len(serving.running),
+                       "requests_waiting_for_a_worker": serving.leasing},
             "pool": pool.ledger() if pool.models else None,
             "workers": workers,
             "lost_workers": lost,

@@ -131,6 +131,7 @@ class Serving:
         self.images = ImageLoader(settings)
         # Requests being generated, by the id their client sees (for cancel) -> (client id, group).
         self.running: dict[str, tuple[str, RequestGroup]] = {}
+        self.leasing = 0  # requests waiting for their model to load or a worker of it to be ready
 
     async def read_body(self, request: Request) -> bytes:
         """The body, within --max-body-bytes (413) and --body-timeout-s (408)."""
@@ -213,21 +214,25 @@ class Serving:
         name = self.served_name(model, names) if names else None  # no names known before the first worker
         wait_s = self.settings.worker_wait_s
         deadline = time.monotonic() + wait_s
+        self.leasing += 1
         try:
-            lease = (await self.pool.lease(name, keep_alive_s, wait_s, retry_failed) if name
-                     else Lease(self.pool, None, None))
-        except Unavailable as e:
-            raise unavailable(str(e), e.code) from None
-        try:
-            worker = await self.link.ready_worker(deadline, wait_s, name,
-                                                  lease.model.load_error if lease.model else None)
-            if name is None:
-                self.served_name(model, worker.names)
-        except BaseException as e:
-            lease.release()
-            if isinstance(e, WorkerUnavailable):
-                raise unavailable(str(e)) from None
-            raise
+            try:
+                lease = (await self.pool.lease(name, keep_alive_s, wait_s, retry_failed) if name
+                         else Lease(self.pool, None, None))
+            except Unavailable as e:
+                raise unavailable(str(e), e.code) from None
+            try:
+                worker = await self.link.ready_worker(deadline, wait_s, name,
+                                                      lease.model.load_error if lease.model else None)
+                if name is None:
+                    self.served_name(model, worker.names)
+            except BaseException as e:
+                lease.release()
+                if isinstance(e, WorkerUnavailable):
+                    raise unavailable(str(e)) from None
+                raise
+        finally:
+            self.leasing -= 1
         return lease, worker
 
     def max_tokens(self, prompt: list[int], requested: int | None, worker: WorkerState, prompt_param: str,

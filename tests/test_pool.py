@@ -123,11 +123,19 @@ def test_a_frozen_models_worker_makes_the_server_not_ready_until_it_answers_agai
     assert pool.http.get("/ready").status_code == 200
     gamma = next(w["pid"] for w in pool.health()["workers"] if w["model"] == "gamma")
     os.kill(gamma, signal.SIGSTOP)
+    answers: list[dict] = []
     try:
         wait_for(lambda: pool.http.get("/ready").status_code == 503, 15, "/ready to see gamma's worker frozen")
+        # A request for gamma waits for a ready worker: the ops page counts it as waiting.
+        asking = threading.Thread(target=lambda: answers.append(complete(pool, "gamma")), daemon=True)
+        asking.start()
+        wait_for(lambda: pool.http.get("/admin/state").json()["server"]["requests_waiting_for_a_worker"] == 1, 10,
+                 "the ops page to count the request waiting")
     finally:
         os.kill(gamma, signal.SIGCONT)
     wait_for(lambda: pool.http.get("/ready").status_code == 200, 15, "/ready once gamma's worker answers")
+    asking.join(30)
+    assert answers and answers[0]["choices"]
 
 
 def test_a_flag_at_its_default_wins_over_an_inherited_variable(models, tmp_path):
