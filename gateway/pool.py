@@ -330,7 +330,9 @@ class ModelPool:
     def _ledger_entry(self, m: PooledModel, now: float) -> dict:
         idle = m.running and not m.users and m.idle_until != math.inf
         entry: dict = {"status": self.status(m.name), "pinned": m.pinned, "users": m.users,
-                       "unloads_in_s": round(max(0.0, m.idle_until - now), 1) if idle else None}
+                       "unloads_in_s": round(max(0.0, m.idle_until - now), 1) if idle else None,
+                       # An operator asked it unloaded while requests ran: it unloads once none runs.
+                       "unload_requested": m.unload_requested and m.running}
         if (charge := self.charge(m.name)) is not None:
             entry["memory"] = charge.as_dict()
         if (error := m.load_error()) is not None:

@@ -254,6 +254,20 @@ def test_admin_unload_and_load(lazy_pool):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
+def test_an_unload_asked_while_a_stream_runs_shows_until_the_stream_ends(lazy_pool):
+    reader = StreamReader(lazy_pool.url, max_tokens=200)
+    reader.body["model"] = "alpha"
+    reader.start()
+    reader.wait_for_pieces(5)
+    asked = lazy_pool.http.post("/admin/models/alpha/unload")
+    assert asked.status_code == 202 and asked.json()["status"] == "unloading"
+    assert lazy_pool.health()["pool"]["models"]["alpha"]["unload_requested"] is True  # the ops page shows it
+    reader.join(120)
+    assert reader.done and not reader.errors
+    wait_for(lambda: statuses(lazy_pool)["alpha"] == "unloaded", 30, "alpha to unload once its stream ended")
+    assert lazy_pool.health()["pool"]["models"]["alpha"]["unload_requested"] is False
+
+
 def test_keep_alive_zero_unloads_the_model_after_its_answer(lazy_pool, models):
     body = {"model": "beta", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "keep_alive": 0}
     answer = lazy_pool.http.post("/v1/completions", json=body).json()
