@@ -137,17 +137,21 @@ PATH_SETTINGS = {"api_key_file", "prefix_cache_dir", "curve_secret_key", "curve_
 
 
 def absolute_paths(settings: S) -> S:
-    """`settings` with each path among PATH_SETTINGS absolute."""
+    """`settings` with each path among PATH_SETTINGS absolute, and a
+    --distributed-hosts that names a hostfile here (not a list of hosts)."""
     paths = {name: str(Path(value).expanduser().absolute()) for name in PATH_SETTINGS
              if isinstance(value := getattr(settings, name, None), str) and value}
+    hosts = getattr(settings, "distributed_hosts", None)
+    if isinstance(hosts, str) and hosts and Path(hosts).expanduser().is_file():
+        paths["distributed_hosts"] = str(Path(hosts).expanduser().absolute())
     return msgspec.structs.replace(settings, **paths)
 
 
 def absolute_model(model: str) -> str:
-    """A --model value whose SOURCE is a directory here, made absolute (a hub
-    repo id, which is no directory here, stays as it is)."""
+    """A --model value whose SOURCE is here (a directory, a .gguf file), made
+    absolute (a hub repo id, which is nothing here, stays as it is)."""
     name, source = split_model(model)
-    if not source or not Path(source).expanduser().is_dir():
+    if not source or not Path(source).expanduser().exists():
         return model
     source = str(Path(source).expanduser().absolute())
     return f"{name}={source}" if name else source
@@ -160,7 +164,8 @@ def worker_jobs(worker: WorkerSettings, models: list[str]) -> dict[str, WorkerSe
     jobs = {worker_job(announced_name(msgspec.structs.replace(worker, model=m))):
             msgspec.structs.replace(worker, model=m) for m in models}
     if len(jobs) != len(models):
-        raise LaunchdError(f"--model: two models have one name ({', '.join(models)}); name each as NAME=SOURCE")
+        raise LaunchdError(f"--model: two models would have one worker job ({', '.join(models)}: their names are "
+                           "one, or differ only in characters a job's name cannot hold); name each as NAME=SOURCE")
     return jobs
 
 
@@ -331,9 +336,11 @@ def restart_worker(layout: Layout, model: str | None) -> None:
     """Restart one model's worker (`model`: its NAME), or every worker."""
     workers = layout.installed()[1:]
     if model is not None:
-        if worker_job(model) not in workers:
+        # Its job as named now, or as an install before names were made labels wrote it.
+        jobs = [job for job in dict.fromkeys((worker_job(model), f"worker.{model}")) if job in workers]
+        if not jobs:
             raise LaunchdError(f"no worker job for the model {model!r} (installed: {', '.join(workers)})")
-        workers = [worker_job(model)]
+        workers = jobs[:1]
     for job in workers:
         _launchctl("kickstart", "-k", layout.target(job))
         print(f"restarted {layout.target(job)}: it drains, hands its requests back, and a new one takes over")

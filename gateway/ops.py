@@ -121,7 +121,7 @@ class OpsAPI:
         return MsgspecResponse({
             "server": {"status": "draining" if serving.draining else "ok", "up_s": round(now - serving.started, 1),
                        "log_prompts": serving.settings.log_prompts, "requests_running": len(serving.running),
-                       "requests_waiting_for_a_worker": serving.leasing},
+                       "requests_waiting_to_start": serving.leasing},
             "pool": pool.ledger() if pool.models else None,
             "workers": workers,
             "lost_workers": lost,

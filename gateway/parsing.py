@@ -204,7 +204,7 @@ class ToolCallParser:
         """The calls a JSON object (or a list of them) describes; llama3's may
         be several objects, separated by ";". None if the text is not calls."""
         values = _json_values(text, ";" if self.family == "llama3" else "")
-        if values is None:
+        if values is None or len(values) > 1 and self.family != "llama3":  # one object (or list) a call's text
             return None
         items = [item for value in values for item in (value if isinstance(value, list) else [value])]
         names = None if self._tools is None else {tool["function"]["name"] for tool in self._tools}
@@ -216,7 +216,12 @@ class ToolCallParser:
                                or names is not None and item["name"] not in names):
                 return None  # a JSON answer that has a "name" (a person's), not a call
             arguments = item.get("arguments", item.get("parameters", {}))
-            calls.append(ToolCall(item["name"], arguments if isinstance(arguments, str) else json.dumps(arguments)))
+            if not isinstance(arguments, str):
+                try:  # NaN and Infinity, which Python's JSON reader takes, are no JSON
+                    arguments = json.dumps(arguments, allow_nan=False)
+                except ValueError:
+                    return None
+            calls.append(ToolCall(item["name"], arguments))
         self.calls += calls
         return calls
 

@@ -40,17 +40,23 @@ def _format_known(name: str) -> bool:
         llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "format": name}))
 
 
-# Keys whose values are data, not schemas: a "format" key in them is the data's.
+# Keywords whose values are data, not schemas: a "format" key in them is the data's.
 DATA_KEYS = ("const", "enum", "default", "examples")
+# Keywords whose values map names (a property's, a definition's) to schemas.
+NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def _known_formats_only(value):
+def _known_formats_only(value, named: bool = False):
     """The schema without the string formats llguidance does not know. JSON
     Schema makes `format` an annotation a validator may ignore, and common
     schemas carry many (Pydantic writes `password`, `binary`, `path`; OpenAPI
-    `byte`, `int64`): llguidance would refuse the whole schema for one."""
+    `byte`, `int64`): llguidance would refuse the whole schema for one.
+    named: `value` maps names to schemas (a property called "format" or "enum" is no keyword)."""
     if isinstance(value, dict):
-        return {key: item if key in DATA_KEYS else _known_formats_only(item) for key, item in value.items()
+        if named:
+            return {name: _known_formats_only(schema) for name, schema in value.items()}
+        return {key: item if key in DATA_KEYS else _known_formats_only(item, key in NAMED_SCHEMAS)
+                for key, item in value.items()
                 if not (key == "format" and isinstance(item, str) and not _format_known(item))}
     if isinstance(value, list):
         return [_known_formats_only(item) for item in value]

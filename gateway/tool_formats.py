@@ -40,6 +40,8 @@ class ToolFormat:
                 if not isinstance(call, dict) or not isinstance(call.get("name"), str):
                     return None
                 arguments = call.get("arguments", {})
+                if isinstance(arguments, dict):
+                    arguments = _enum_values(arguments, tools, call["name"])
                 # Some parsers read a value as Python (ast.literal_eval): a set, bytes or an infinity
                 # the model wrote is no JSON, and the call stays text.
                 calls.append((call["name"], arguments if isinstance(arguments, str) else
@@ -48,6 +50,24 @@ class ToolFormat:
         except Exception:  # each parser raises its own kinds: a call that does not parse stays text
             return None
         return calls or None
+
+
+def _enum_values(arguments: dict, tools: list[dict] | None, name: str) -> dict:
+    """Arguments with each value of an untyped enum as the enum has it: the
+    tag formats' parsers read a value whose schema names no type as text, so
+    `2` of `{"enum": [1, 2, 3]}` came back as "2"."""
+    tool = next((t for t in tools or () if t.get("function", {}).get("name") == name), None)
+    properties = (tool["function"].get("parameters") or {}).get("properties") if tool else None
+    if not isinstance(properties, dict):
+        return arguments
+    typed = {}
+    for key, value in arguments.items():
+        schema = properties.get(key)
+        if isinstance(value, str) and isinstance(schema, dict) and "type" not in schema \
+                and isinstance(schema.get("enum"), list):
+            value = next((e for e in schema["enum"] if not isinstance(e, str) and json.dumps(e) == value), value)
+        typed[key] = value
+    return typed
 
 
 def _package() -> str | None:

@@ -123,7 +123,7 @@ def test_paths_given_relative_to_the_install_are_made_absolute(tmp_path):
 @pytest.mark.skipif(shutil.which("launchctl") is not None, reason="would install for real")
 def test_install_without_launchctl_writes_nothing():
     layout = launchd.Layout(False, pwd.getpwuid(os.getuid()).pw_name)
-    paths = (layout.key_file, layout.plist_dir, layout.log_dir)
+    paths = (layout.key_file, layout.plist_dir / "com.mlxd.gateway.plist", layout.plist_dir, layout.log_dir)
     before = [p.exists() for p in paths]
     result = subprocess.run([*MLXD, "launchd", "install", "--api-key", "k1"], cwd=ROOT, capture_output=True,
                             text=True, timeout=60)

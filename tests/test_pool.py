@@ -129,7 +129,7 @@ def test_a_frozen_models_worker_makes_the_server_not_ready_until_it_answers_agai
         # A request for gamma waits for a ready worker: the ops page counts it as waiting.
         asking = threading.Thread(target=lambda: answers.append(complete(pool, "gamma")), daemon=True)
         asking.start()
-        wait_for(lambda: pool.http.get("/admin/state").json()["server"]["requests_waiting_for_a_worker"] == 1, 10,
+        wait_for(lambda: pool.http.get("/admin/state").json()["server"]["requests_waiting_to_start"] == 1, 10,
                  "the ops page to count the request waiting")
     finally:
         os.kill(gamma, signal.SIGCONT)

@@ -163,10 +163,10 @@ def own_buffers(cache: list) -> None:
     until computed, it holds the batch's whole buffers, every row of them,
     where the budget counts one row. Scheduled, not waited for: the step
     after it is already on its way."""
+    drop_past_offset(cache)
     for layer in cache:
         if isinstance(layer, KVCache) and layer.keys is not None:
-            layer.keys = mx.contiguous(layer.keys[..., : layer.offset, :])
-            layer.values = mx.contiguous(layer.values[..., : layer.offset, :])
+            layer.keys, layer.values = mx.contiguous(layer.keys), mx.contiguous(layer.values)
     mx.async_eval([layer.state for layer in cache])
 
 

@@ -59,6 +59,7 @@ from worker.embed import Embedder
 from worker.engine import Engine, InvalidRequest
 from worker.footprint import memory_stats
 from worker.heartbeat import HeartbeatThread
+from worker.sampling import GREEDY_BELOW
 from worker.transport import connect
 from worker.vision import fitted_cost
 
@@ -295,7 +296,7 @@ class Worker(EngineRunner):
         """In a group, a sampled request without a seed gets one of rank 0's
         choosing: every rank draws the same tokens from the same logits."""
         sampling = request.sampling
-        if self.channel is None or sampling.temperature == 0 or sampling.seed is not None:
+        if self.channel is None or sampling.temperature < GREEDY_BELOW or sampling.seed is not None:
             return request
         seeded = msgspec.structs.replace(sampling, seed=random.getrandbits(63))
         return msgspec.structs.replace(request, sampling=seeded)

@@ -151,7 +151,7 @@ def test_the_prefix_cache_holds_the_memory_it_counts(loaded):
     assert held <= 1.1 * counted, f"held {held} bytes for {counted} counted"
 
 
-@pytest.mark.parametrize("temperature", [1e-6, 1e-39, 1e-45])
+@pytest.mark.parametrize("temperature", [1e-39, 1e-45])
 def test_a_vanishing_temperature_is_greedy(loaded, temperature):
     """1/T overflows float32 (or the scaled logits do): every token was -inf and the draw uniform."""
     prompt = loaded.hf_tokenizer.encode("Once upon a time")

@@ -108,6 +108,8 @@ def test_string_formats_llguidance_does_not_know_are_annotations(tokenizer):
         "blob": {"type": "string", "format": "binary"},
         "when": {"type": "string", "format": "date"},
         "kind": {"const": {"format": "binary"}},
+        "default": {"type": "string", "format": "password"},  # a property named as a keyword
+        "format": {"type": "string", "format": "byte"},
     }}
     grammar = json_schema_grammar(schema)
     assert accepts(tokenizer, grammar, '{"secret": "abc", "when": "2026-11-26"}')
@@ -137,3 +139,6 @@ def test_a_tagged_format_holds_an_argument_to_its_enum_and_length(tokenizer, fam
         return call_open.format(name="f") + arg_open.format(key="v") + text + arg_close + call_close
 
     assert accepts(tokenizer, grammar, call(good)) and not accepts(tokenizer, grammar, call(bad))
+    # What the grammar let through reads back as the schema has it: 2, not "2".
+    _, calls = ToolCallParser(family, [tool], load_tool_format(family)).feed(call(good), True)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"v": json.loads(good) if good == "2" else good})]
