@@ -161,7 +161,7 @@ def test_several_models_get_a_worker_job_each(tmp_path):
     twice = subprocess.run([*MLXD, "launchd", "install", "--dry-run", "--output", str(tmp_path / "again"),
                             "--model", "a=x/y", "--model", "a=z/w"], cwd=ROOT, capture_output=True, text=True,
                            timeout=60)
-    assert twice.returncode == 1 and "two models have one name" in twice.stderr
+    assert twice.returncode == 1 and "two models would have one worker job" in twice.stderr
 
 
 def test_root_writing_the_key_file_for_a_user_gives_it_and_its_directory_to_them(tmp_path):
