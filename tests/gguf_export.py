@@ -117,15 +117,16 @@ def save_float_gguf(model_dir: Path, path: Path, architecture: str = "llama") ->
 QUANT_TYPES = {"token_embd": gguf.GGMLQuantizationType.Q8_0, "default": gguf.GGMLQuantizationType.Q4_0}
 
 
-def quant_type(name: str, array: np.ndarray):
+def quant_type(name: str, array: np.ndarray, types: dict):
     if array.ndim != 2:
         return None
-    return QUANT_TYPES.get(name.split(".")[0], QUANT_TYPES["default"])
+    return types.get(name.split(".")[0], types["default"])
 
 
-def save_quantized_gguf(model_dir: Path, path: Path) -> dict[str, np.ndarray]:
+def save_quantized_gguf(model_dir: Path, path: Path, types: dict = QUANT_TYPES) -> dict[str, np.ndarray]:
     """Write a quantized GGUF with llama.cpp's writer; return the weights it
-    really holds (dequantized, under llama.cpp names), for a reference."""
+    really holds (dequantized, under llama.cpp names), for a reference.
+    types: by tensor name's first part, or "default"."""
     config = json.loads((model_dir / "config.json").read_text())
     t = tokenizer_metadata(model_dir)
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -148,7 +149,7 @@ def save_quantized_gguf(model_dir: Path, path: Path) -> dict[str, np.ndarray]:
     writer.add_chat_template(t["chat_template"])
     held = {}
     for name, array in gguf_weights(model_dir).items():
-        qtype = quant_type(name, array)
+        qtype = quant_type(name, array, types)
         if qtype is None:
             writer.add_tensor(name, array)
             held[name] = array

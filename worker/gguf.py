@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import struct
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -80,10 +81,67 @@ def _scalar(metadata: dict, key: str, default=None):
     return value
 
 
-def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict]:
+# The tensor types (ggml_type) MLX reads as they are: floats, and the 32-weight
+# block quantizations it turns into its own. It turns others into float16 (the
+# K-quants, with wrong scales for half their sub-blocks) or fails on them.
+READABLE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 30: "BF16"}
+OTHER_TYPES = {6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K",
+               15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S",
+               22: "IQ2_S", 23: "IQ4_XS", 29: "IQ1_M"}
+# GGUF metadata value types: the fixed sizes (8: a string, 9: an array).
+_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def tensor_types(path: Path) -> dict[str, int]:
+    """Each tensor's ggml type, read from the file's header (metadata skipped)."""
     with open(path, "rb") as f:
+
+        def take(fmt: str) -> int:
+            size = struct.calcsize(fmt)
+            data = f.read(size)
+            if len(data) != size:
+                raise GGUFError(f"{path} cannot be read (truncated or corrupt?): its header ends early")
+            return struct.unpack(fmt, data)[0]
+
+        def skip_value(kind: int) -> None:
+            if kind == 8:
+                f.seek(take("<Q"), 1)
+            elif kind == 9:
+                item, count = take("<I"), take("<Q")
+                if item in _VALUE_SIZES:
+                    f.seek(_VALUE_SIZES[item] * count, 1)
+                else:
+                    for _ in range(count):
+                        skip_value(item)
+            elif kind in _VALUE_SIZES:
+                f.seek(_VALUE_SIZES[kind], 1)
+            else:
+                raise GGUFError(f"{path} cannot be read (truncated or corrupt?): metadata of unknown type {kind}")
+
         if f.read(4) != GGUF_MAGIC:
             raise GGUFError(f"{path} is not a GGUF file (no GGUF magic number)")
+        take("<I")  # version
+        tensors, entries = take("<Q"), take("<Q")
+        for _ in range(entries):
+            f.seek(take("<Q"), 1)  # the key
+            skip_value(take("<I"))
+        types = {}
+        for _ in range(tensors):
+            name = f.read(take("<Q")).decode("utf-8", "replace")
+            f.seek(8 * take("<I"), 1)  # its dimensions
+            types[name] = take("<I")
+            take("<Q")  # its data's offset
+        return types
+
+
+def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict]:
+    unreadable = {name: kind for name, kind in tensor_types(path).items() if kind not in READABLE_TYPES}
+    if unreadable:
+        name, kind = next(iter(unreadable.items()))
+        raise GGUFError(
+            f"{path.name} holds tensors of type {OTHER_TYPES.get(kind, f'ggml type {kind}')} ({name}, and "
+            f"{len(unreadable) - 1} more); mlxd imports GGUFs of {', '.join(sorted(READABLE_TYPES.values()))} "
+            "(for a Q4_K_M or other K-quant file, take the Q4_0 or Q8_0 one, or the model's MLX conversion)")
     try:
         # With return_metadata, mx.load returns (arrays, metadata), which its stub does not say.
         weights, metadata = cast(tuple[dict[str, mx.array], dict[str, Any]], mx.load(str(path), return_metadata=True))
