@@ -59,7 +59,8 @@ class EmbeddingsAPI:
             token_lists = [await self._tokens(worker, i) for i in inputs]
             # What a forward pass holds is the KV state of its tokens, as a prefill's; the worker
             # runs the inputs one after another, so the largest is what the request holds at once.
-            await lease.reserve(max(worker.hello.kv_footprint.bytes_for(len(t)) for t in token_lists))
+            footprint = worker.hello.kv_footprint
+            await lease.reserve(footprint, other=max(footprint.bytes_for(len(t)) for t in token_lists))
             result = await serving.link.embed(f"embd-{uuid.uuid4().hex}", token_lists, worker)
         except Unavailable as e:
             raise unavailable(str(e), e.code) from None

@@ -2,8 +2,10 @@
 charged, and what its weights will cost before a worker has measured them.
 
 A model that runs (loading or loaded) is charged its weights, its prefix
-cache's budget, and the KV reservation of each request admitted to it
-(prompt + max_tokens, at the bytes per token its worker measured). The pool
+cache's budget, and the KV state its admitted requests may reach: mlx-lm's
+batch gives every row the longest row's length (rounded up to its 256-token
+step), so that is rows x the longest prompt + max_tokens, at the bytes per
+token its worker measured (plus an embeddings request's largest input). The pool
 (gateway/pool.py) starts a model, and admits a request, only when the charge
 fits in the budget: memory is decided before the work starts, because on a
 Mac a Metal allocation that fails ends the process.
@@ -13,9 +15,10 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from protocol import KVFootprint
 from protocol.worker_settings import is_repo_id, pulled_model
 
 # What the default budget leaves to the system and the gateway.
@@ -35,6 +38,18 @@ def default_memory_budget() -> int:
     """On macOS, the GPU's working set less headroom; elsewhere, half the RAM."""
     share = MACOS_GPU_SHARE if sys.platform == "darwin" else LINUX_SHARE
     return max(int(total_memory() * share) - (HEADROOM_BYTES if sys.platform == "darwin" else 0), 1 << 30)
+
+
+# mlx-lm's KV caches grow by this many tokens at a time.
+KV_STEP = 256
+
+
+def batch_kv(footprint: KVFootprint, rows: list[int]) -> int:
+    """The KV state of a batch of sequences that reach `rows` tokens: mlx-lm's
+    batch pads every row to the longest, which its cache holds in steps."""
+    if not rows:
+        return 0
+    return len(rows) * footprint.bytes_for(-(-max(rows) // KV_STEP) * KV_STEP)
 
 
 def weights_on_disk(source: str) -> int:
@@ -79,10 +94,17 @@ class Charge:
 
     weights: int  # measured by its worker once loaded, else weights_on_disk
     prefix_cache: int  # its workers' --prefix-cache-bytes
-    kv_reserved: int = 0  # the KV reservations of its admitted requests
     # The machines its worker's ranks run on (--distributed-hosts): the figures
     # here are the group's, summed over its ranks, and each machine holds a share.
     hosts: int = 1
+    rows: list[int] = field(default_factory=list)  # the most tokens each admitted sequence may reach
+    footprint: KVFootprint = KVFootprint()  # its worker's KV bytes, per token and per sequence
+    kv_other: int = 0  # reservations beside the decode batch (an embeddings request's largest input)
+
+    @property
+    def kv_reserved(self) -> int:
+        """The KV state the admitted requests may reach together."""
+        return self.kv_other + batch_kv(self.footprint, self.rows)
 
     @property
     def fixed(self) -> int:

@@ -34,10 +34,11 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from gateway.ledger import Charge, weights_on_disk
+from gateway.ledger import Charge, batch_kv, weights_on_disk
 from gateway.liveness import UNHEALTHY
 from gateway.supervisor import WorkerSupervisor
 from gateway.worker_link import WorkerLink
+from protocol import KVFootprint
 from protocol.units import format_size
 from protocol.worker_settings import WorkerSettings, announced_name, group_hosts, model_source
 
@@ -100,13 +101,15 @@ class Lease:
     pool: ModelPool
     model: PooledModel | None  # None: a model of workers the pool did not start
     keep_alive_s: float | None  # the request's keep_alive (None: the server's)
-    reserved: int = 0
+    rows: list[int] = field(default_factory=list)  # the most tokens each of its sequences may reach
+    other: int = 0  # KV bytes reserved beside the decode batch
     released: bool = field(default=False)
 
-    async def reserve(self, nbytes: int) -> None:
-        """Reserve KV memory for the request (Unavailable if it does not fit)."""
+    async def reserve(self, footprint: KVFootprint, rows: Sequence[int] = (), other: int = 0) -> None:
+        """Reserve KV memory for the request: sequences of up to `rows` tokens in
+        the model's batch, and `other` bytes beside it (Unavailable if it does not fit)."""
         if self.model is not None:
-            await self.pool.reserve(self, nbytes)
+            await self.pool.reserve(self, footprint, list(rows), other)
 
     def release(self) -> None:
         if not self.released:
@@ -218,23 +221,31 @@ class ModelPool:
             raise
         return lease
 
-    async def reserve(self, lease: Lease, nbytes: int) -> None:
+    async def reserve(self, lease: Lease, footprint: KVFootprint, rows: list[int], other: int) -> None:
         """Charge a request's KV state to its model (and its lease, which gives
         it back), unloading idle models to make room (returning once they have
         exited); Unavailable if the budget cannot hold it now."""
         m = lease.model
         assert m is not None
         async with self._lock:
-            victims = self._room_for(m, m.charge.here(m.charge.total + nbytes), idle_only=True)
+            charge = m.charge
+            before = charge.kv_reserved
+            with_it = batch_kv(footprint, charge.rows + rows) + charge.kv_other + other
+            victims = self._room_for(m, charge.here(charge.fixed + with_it), idle_only=True)
             if victims is None:
-                never = m.charge.here(nbytes + m.charge.fixed) > self.budget
+                alone = batch_kv(footprint, rows) + other
+                never = charge.here(alone + charge.fixed) > self.budget
                 raise Unavailable(
-                    f"the request's KV reservation ({format_size(nbytes)}: its prompt plus max_tokens) does not fit "
-                    f"in the memory budget ({format_size(self.budget)}, {format_size(self.used)} in use)"
+                    f"the request's KV reservation ({format_size(with_it - before)}: its prompt plus max_tokens, "
+                    "every sequence of the model's batch as long as its longest) does not fit in the memory budget "
+                    f"({format_size(self.budget)}, {format_size(self.used)} in use)"
                     + ("; lower max_tokens" if never else "; retry when running requests have finished"),
                     "memory_budget_exceeded")
-            m.charge.kv_reserved += nbytes
-            lease.reserved += nbytes
+            charge.footprint = footprint
+            charge.rows += rows
+            charge.kv_other += other
+            lease.rows += rows
+            lease.other += other
             stops = self._make_room(victims, f"making room for a request to {m.name}")
         if stops:
             await asyncio.wait(stops)  # not cancelled with this request: other requests may count on them
@@ -243,7 +254,9 @@ class ModelPool:
         m = lease.model
         if m is None:
             return
-        m.charge.kv_reserved -= lease.reserved
+        for tokens in lease.rows:
+            m.charge.rows.remove(tokens)
+        m.charge.kv_other -= lease.other
         m.users -= 1
         m.last_used = time.monotonic()
         if m.users == 0:

@@ -351,9 +351,8 @@ class Serving:
         calls: Counter[int] = Counter()  # tool calls returned per choice
         try:
             try:
-                footprint = worker.hello.kv_footprint
-                await lease.reserve(sum(footprint.bytes_for(len(s.prompt) + s.sampling.max_tokens)
-                                        for s in group.states))
+                await lease.reserve(worker.hello.kv_footprint,
+                                    [len(s.prompt) + s.sampling.max_tokens for s in group.states])
                 for state in group.states:
                     self.link.submit(state, worker)
             except Unavailable as e:

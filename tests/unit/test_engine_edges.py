@@ -10,8 +10,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
+from gateway.ledger import batch_kv
 from protocol import AddRequest, Sampling
 from worker.engine import Engine
+from worker.footprint import kv_footprint
 from worker.grammar import Grammars
 from worker.model import load_model
 from worker.prefix_cache import PrefixCache
@@ -196,3 +198,25 @@ def test_presence_and_frequency_penalties_count_the_completion_only(loaded):
                                                      Sampling(max_tokens=24 - k, ignore_eos=True, presence_penalty=2.0,
                                                               frequency_penalty=1.0), generated_tokens=k))["a"]
     assert expected[:k] + resumed == expected
+
+
+def test_the_ledgers_kv_charge_covers_what_the_batch_holds(loaded):
+    """One long request beside seven short ones: mlx-lm pads the short rows to the long one's
+    length, and the ledger charges what that holds (it charged the sum of the lengths, 7.5x less)."""
+    footprint = kv_footprint(loaded.model)
+    engine = Engine(loaded.model, eos_token_ids=loaded.eos_token_ids, vocab_size=loaded.vocab_size,
+                    context_length=2048, capacity=8, prefill_batch_size=8, prefill_step_size=512)
+    lengths, max_tokens = [1900] + [8] * 7, 16
+    gc.collect()
+    mx.clear_cache()
+    base, held = mx.get_active_memory(), 0
+    for i, length in enumerate(lengths):
+        engine.add(AddRequest(f"r{i}", [5 + j % 300 for j in range(length)], Sampling(max_tokens=max_tokens,
+                                                                                     ignore_eos=True)))
+    while engine.has_work:
+        engine.step()
+        held = max(held, mx.get_active_memory() - base)
+    charged = batch_kv(footprint, [length + max_tokens for length in lengths])
+    # Within a step's passing arrays (the ledger charges KV state, not a step's activations).
+    assert held <= 1.1 * charged, f"the batch held {held} bytes, the ledger charged {charged}"
+    assert held > 4 * sum(footprint.bytes_for(length + max_tokens) for length in lengths)  # the old charge

@@ -14,8 +14,10 @@ import time
 
 import pytest
 
+from gateway.ledger import batch_kv
 from gateway.pool import Lease, ModelPool, Unavailable
 from gateway.worker_link import WorkerLink
+from protocol import KVFootprint
 from protocol.worker_settings import WorkerSettings
 
 WEIGHTS = 400  # bytes charged per model; the budget holds two
@@ -67,13 +69,13 @@ def test_a_stop_goes_on_when_the_request_that_asked_for_it_is_cancelled(tmp_path
         b.last_used = time.monotonic()  # a is the one to go
         try:
             lease = Lease(pool, b, None)
-            reserving = asyncio.create_task(lease.reserve(200))  # does not fit beside a: a is unloaded
+            reserving = asyncio.create_task(lease.reserve(KVFootprint(), other=200))  # does not fit beside a: a is unloaded
             await asyncio.sleep(0.1)
             assert a.stopping and not reserving.done()
             stop = a.stop_task
             reserving.cancel()
             await asyncio.gather(reserving, return_exceptions=True)
-            assert lease.reserved == 200 and b.charge.kv_reserved == 200  # given back with the lease
+            assert lease.other == 200 and b.charge.kv_reserved == 200  # given back with the lease
             assert pool.used == 2 * WEIGHTS + 200  # a's memory counts until its worker has exited
             assert await asyncio.wait_for(a_worker.wait(), 5) == -signal.SIGKILL  # killed past stop_timeout_s
             await stop  # the stop's own end: the supervisor has seen the exit
@@ -97,7 +99,7 @@ def test_requests_that_make_room_together_unload_one_model(tmp_path):
             # Two requests for c at once, and one that reserves KV for b: a's going makes room for each.
             loads = [asyncio.create_task(pool._load(c, time.monotonic() + 0.2)) for _ in range(2)]
             lease = Lease(pool, b, None)
-            reserving = asyncio.create_task(lease.reserve(50))
+            reserving = asyncio.create_task(lease.reserve(KVFootprint(), other=50))
             await asyncio.sleep(0.1)
             assert a.stopping and not b.stopping and b.running
             await asyncio.wait_for(workers["a"].wait(), 5)
@@ -112,3 +114,13 @@ def test_requests_that_make_room_together_unload_one_model(tmp_path):
             await pool.link.close()
 
     asyncio.run(run())
+
+
+def test_the_kv_charge_is_the_batch_mlx_lm_holds():
+    """mlx-lm pads every row of the batch to its longest, in 256-token steps: one long request
+    beside seven short ones holds eight long rows (the sum of their lengths was charged)."""
+    footprint = KVFootprint(per_token=4096)
+    assert batch_kv(footprint, []) == 0
+    assert batch_kv(footprint, [2016]) == 2048 * 4096
+    assert batch_kv(footprint, [2016] + [24] * 7) == 8 * 2048 * 4096
+    assert batch_kv(KVFootprint(per_token=10, windowed=((3, 100),), fixed=7), [300, 10]) == 2 * (512 * 10 + 3 * 100 + 7)
