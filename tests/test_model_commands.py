@@ -13,11 +13,12 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import gguf as gguf_types
 import pexpect
 import pytest
 
 from tests.conftest import MLXD, MODEL_NAME, ROOT, running, wait_for
-from tests.gguf_export import save_float_gguf
+from tests.gguf_export import save_float_gguf, save_quantized_gguf
 
 SLOW_CHUNK = 16 << 10
 
@@ -112,10 +113,12 @@ def test_pull_of_a_local_file_list_and_rm(gguf, cache, tmp_path):
     downloads = tmp_path / "cache" / "mlxd" / "downloads"
     downloads.mkdir(parents=True)
     data = gguf.read_bytes()
-    (downloads / "mine.gguf.partial").write_bytes(data[: len(data) // 2])  # what an interrupted pull left
+    # What an interrupted pull of another file of that name left: a local file is copied whole (it was
+    # continued, spliced onto the other's bytes: garbage weights, imported without a word).
+    (downloads / "mine.gguf.partial").write_bytes(bytes(len(data) // 2))
     pulled = mlxd("pull", str(gguf), "--name", "mine", env=cache)
     assert pulled.returncode == 0, pulled.stderr
-    assert "resuming mine at" in pulled.stderr
+    assert "resuming" not in pulled.stderr and list(downloads.iterdir()) == []
     again = mlxd("pull", str(gguf), "--name", "mine", env=cache)
     assert "already in the cache" in again.stderr
 
@@ -170,6 +173,27 @@ def test_run_names_an_unknown_model_and_goes_on(server):
     finally:
         chat.close()
     assert chat.exitstatus == 0
+
+
+def test_a_pull_that_cannot_be_imported_leaves_no_download_behind(tiny_model, cache, tmp_path):
+    """The download was kept, a file of the model's size that neither `mlxd list` shows nor `mlxd rm` removes."""
+    path = tmp_path / "q5.gguf"
+    save_quantized_gguf(tiny_model, path, {"default": gguf_types.GGMLQuantizationType.Q5_0})
+    pulled = mlxd("pull", str(path), env=cache)
+    assert pulled.returncode == 1 and "cannot be imported" in pulled.stderr and "Q5_0" in pulled.stderr
+    assert "Traceback" not in pulled.stderr
+    assert list((tmp_path / "cache" / "mlxd" / "downloads").iterdir()) == []
+
+
+def test_a_url_with_a_query_is_named_by_its_path(gguf, cache):
+    """Hugging Face's download links end in ?download=true."""
+    server = SlowFileServer(gguf.read_bytes(), delay_s=0)
+    try:
+        pulled = mlxd("pull", server.url + "?download=true", env=cache)
+    finally:
+        server.close()
+    assert pulled.returncode == 0, pulled.stderr
+    assert "mlxd serve --model tinyp" in pulled.stdout
 
 
 def test_a_sha_of_the_pulled_download_matches_the_source(gguf, cache, tmp_path):

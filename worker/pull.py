@@ -2,9 +2,9 @@
 
 A Hugging Face repo goes to the hub's own cache (huggingface_hub shows its
 progress and resumes its partial files). A .gguf file, on this machine or at
-an http(s) URL, is copied into the cache's downloads as NAME.gguf.partial,
-continued from where an interrupted pull stopped, then imported into
-models/NAME, which `--model NAME` serves. A URL's download continues only
+an http(s) URL, is copied into the cache's downloads as NAME.gguf.partial
+(a URL's continued from where an interrupted pull stopped), then imported
+into models/NAME, which `--model NAME` serves. A URL's download continues only
 where its server answers Range requests and names the file's version (an
 ETag or Last-Modified, kept beside the partial file and sent back as
 If-Range): a file changed on the server since, or a partial file of another
@@ -13,16 +13,18 @@ URL, starts over rather than splice two versions together.
 
 from __future__ import annotations
 
+import http.client
 import io
 import json
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 from protocol.units import format_size
 from protocol.worker_settings import cache_dir, is_repo_id
-from worker.gguf import import_gguf
+from worker.gguf import GGUFError, import_gguf
 from worker.model_source import hugging_face
 
 CHUNK = 1 << 20
@@ -39,7 +41,8 @@ def pull(source: str, name: str | None = None) -> tuple[Path, str]:
     if is_repo_id(source) and not Path(source).exists():
         return hugging_face(source), source
     remote = source.startswith(("http://", "https://"))
-    stem = Path(source.rsplit("/", 1)[-1] if remote else source).name
+    # A URL's file name, without its query (Hugging Face's download links end in ?download=true).
+    stem = Path(urllib.parse.urlsplit(source).path.rsplit("/", 1)[-1] if remote else source).name
     if not stem.endswith(".gguf"):
         raise PullError(f"{source!r} is not a .gguf file, a .gguf URL or a Hugging Face repo id (owner/name)")
     name = name or stem.removesuffix(".gguf")
@@ -56,8 +59,12 @@ def pull(source: str, name: str | None = None) -> tuple[Path, str]:
     gguf = partial.with_suffix("")
     partial.rename(gguf)
     print(f"importing {name} into {model}", file=sys.stderr)
-    import_gguf(gguf, model)
-    gguf.unlink()
+    try:
+        import_gguf(gguf, model)
+    except GGUFError as e:
+        raise PullError(f"{source} cannot be imported: {e}") from None
+    finally:  # imported or not, the download is done with (a file nothing lists or removes otherwise)
+        gguf.unlink(missing_ok=True)
     return model, name
 
 
@@ -69,10 +76,14 @@ def fetch(source: str, partial: Path, label: str) -> None:
         print(f"resuming {label} at {format_size(have)}", file=sys.stderr)
     progress = Progress(label, total, have)
     with src, open(partial, "ab" if have else "wb") as dst:
-        while chunk := src.read1(CHUNK):  # what has arrived: a slow link's bytes reach the disk as they come
-            dst.write(chunk)
-            have += len(chunk)
-            progress.show(have)
+        try:
+            while chunk := src.read1(CHUNK):  # what has arrived: a slow link's bytes reach the disk as they come
+                dst.write(chunk)
+                have += len(chunk)
+                progress.show(have)
+        except http.client.HTTPException as e:  # a connection dropped mid-chunk (IncompleteRead), not an OSError
+            raise PullError(f"{source}: the download broke off after {format_size(have)} ({e!r}); "
+                            "pull again to continue") from None
     progress.done(have)
     if total is not None and have != total:
         raise PullError(f"{source} ended after {have} of {total} bytes; pull again to continue")
@@ -86,11 +97,8 @@ def _open(source: str, have: int, version_file: Path) -> tuple[io.BufferedIOBase
     path = Path(source).expanduser()
     if not path.is_file():
         raise PullError(f"{source}: no such file")
-    total = path.stat().st_size
-    have = have if have <= total else 0
-    src = open(path, "rb")
-    src.seek(have)
-    return src, total, have
+    # Copied whole: nothing tells that a partial file came from this file as it is now.
+    return open(path, "rb"), path.stat().st_size, 0
 
 
 def _download(url: str, have: int, version_file: Path) -> tuple[io.BufferedIOBase, int | None, int]:
