@@ -72,15 +72,12 @@ def dequantize_for_cpu(model: nn.Module) -> int:
     replaced = []
     for name, module in model.named_modules():
         if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            # float32 scales make the dequantization itself several times faster on the CPU.
-            assert module.biases is not None  # affine quantization, as GGUF's and mlx-lm's
-            weight = mx.dequantize(
-                module.weight,
-                module.scales.astype(mx.float32),
-                module.biases.astype(mx.float32),
-                module.group_size,
-                module.bits,
-            )
+            mode = getattr(module, "mode", "affine")
+            if module.biases is not None:  # affine (GGUF's, most of mlx-lm's): float32 scales dequantize faster here
+                weight = mx.dequantize(module.weight, module.scales.astype(mx.float32),
+                                       module.biases.astype(mx.float32), module.group_size, module.bits)
+            else:  # mxfp4, nvfp4 (gpt-oss): scales of their own format, no biases
+                weight = mx.dequantize(module.weight, module.scales, None, module.group_size, module.bits, mode=mode)
             plain: nn.Module
             if isinstance(module, nn.QuantizedEmbedding):
                 plain = nn.Embedding(*weight.shape)
