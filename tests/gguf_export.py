@@ -83,8 +83,8 @@ def tokenizer_metadata(model_dir: Path) -> dict:
     }
 
 
-def save_float_gguf(model_dir: Path, path: Path, architecture: str = "llama") -> Path:
-    """With mx.save_gguf and the metadata a llama.cpp conversion carries."""
+def save_float_gguf(model_dir: Path, path: Path, architecture: str = "llama", extra: dict | None = None) -> Path:
+    """With mx.save_gguf and the metadata a llama.cpp conversion carries (and `extra`'s)."""
     config = json.loads((model_dir / "config.json").read_text())
     t = tokenizer_metadata(model_dir)
     u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
@@ -107,6 +107,7 @@ def save_float_gguf(model_dir: Path, path: Path, architecture: str = "llama") ->
         "tokenizer.ggml.eos_token_id": u32(t["eos"]),
         "tokenizer.ggml.padding_token_id": u32(t["pad"]),
         "tokenizer.chat_template": t["chat_template"],
+        **(extra or {}),
     }
     weights = {name: mx.array(w) for name, w in gguf_weights(model_dir).items()}
     mx.save_gguf(str(path), weights, metadata)

@@ -115,6 +115,16 @@ def test_a_tensor_type_mlx_does_not_read_as_it_is_is_refused_by_name(tiny_model,
     assert not (tmp_path / "out").exists()
 
 
+def test_a_chat_ends_at_the_end_of_turn_token_as_well(tiny_model, original, tmp_path):
+    """Older Llama 3 GGUFs give <|end_of_text|> as EOS and <|eot_id|> as EOT: a chat turn never ended."""
+    eos = original[1].eos_token_ids
+    eot = next(i for i in range(16) if i not in eos)
+    path = save_float_gguf(tiny_model, tmp_path / "eot.gguf",
+                           extra={"tokenizer.ggml.eot_token_id": mx.array(eot, dtype=mx.uint32)})
+    _, tokenizer = load(str(import_gguf(path, tmp_path / "imported")))
+    assert tokenizer.eos_token_ids == set(eos) | {eot}
+
+
 def test_not_a_gguf_is_refused(tmp_path):
     path = tmp_path / "fake.gguf"
     path.write_bytes(b"PK\x03\x04 definitely a zip")

@@ -162,6 +162,9 @@ def _mlx_name(gguf_name: str) -> str:
         return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{suffix}"
     if stem in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[stem]}.{suffix}"
+    if stem == "rope_freqs":
+        raise GGUFError("the file holds rope_freqs, Llama 3.1's scaled rotary frequencies, which mlxd's import does "
+                        "not carry over; serve the model's MLX conversion instead (for Llama 3.1 and 3.2)")
     raise GGUFError(f"unexpected tensor {gguf_name!r} in a llama GGUF")
 
 
@@ -285,9 +288,11 @@ def import_gguf(gguf_path: Path, out_dir: Path, generation_config: dict | None =
     config = model_config(
         metadata, len(metadata["tokenizer.ggml.tokens"]), bits, tied="lm_head.weight" not in converted
     )
-    eos = _scalar(metadata, "tokenizer.ggml.eos_token_id")
-    if eos is not None:
-        config["eos_token_id"] = eos
+    # A chat model's turn may end with its end-of-turn token rather than its EOS (older Llama 3 GGUFs):
+    # generation stops at either, as llama.cpp's does.
+    ends = [e for key in ("eos_token_id", "eot_token_id") if (e := _scalar(metadata, f"tokenizer.ggml.{key}")) is not None]
+    if ends:
+        config["eos_token_id"] = ends[0] if len(set(ends)) == 1 else list(dict.fromkeys(ends))
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
@@ -302,6 +307,13 @@ def import_gguf(gguf_path: Path, out_dir: Path, generation_config: dict | None =
         if out_dir.exists():
             out_dir.rmdir()
         staging.rename(out_dir)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (out_dir / "config.json").is_file():
+            raise
+        # Another import of the same file (a second worker of the model) finished first: its copy serves.
+        log.info("%s was imported into %s meanwhile", gguf_path.name, out_dir)
+        return out_dir
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
