@@ -184,6 +184,15 @@ def test_serve_fails_when_the_model_cannot_load(tmp_path):
     assert "restarting" not in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_model_directory_without_tokenizer_files_says_so(tiny_model, tmp_path):
+    """transformers' own message sent the user to install sentencepiece or tiktoken."""
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model, bare, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))
+    result = mlxd("serve", "--preload", "--model", str(bare), "--port", str(free_port()), timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "has no tokenizer files" in result.stderr.strip().splitlines()[-1], result.stderr[-2000:]
+
+
 def test_the_load_failure_reaches_health_and_the_503(split, tmp_path):  # noqa: F811
     s = split()
     assert s.gateway.answers() or wait_for(s.gateway.answers, 30, "the gateway")

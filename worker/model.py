@@ -21,6 +21,8 @@ from worker.vision import PROCESSOR_FILE_NAMES, load_vision_model
 log = logging.getLogger("mlxd.worker.model")
 
 # Tokenizer files travel to the gateway in the Hello; weights never do.
+# A tokenizer's vocabulary is in one of these (the rest of TOKENIZER_FILE_NAMES only configure it).
+VOCABULARY_FILES = {"tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt"}
 TOKENIZER_FILE_NAMES = {
     "tokenizer.json",
     "tokenizer_config.json",
@@ -151,6 +153,9 @@ def load_model(spec: str, context_length: int | None = None, cpu_dequantize: boo
 def _load(path: Path, name: str, context_length: int | None, cpu_dequantize: bool,
           sharding: Sharding | None) -> LoadedModel:
     config = json.loads((path / "config.json").read_text())
+    if not any((path / name).is_file() for name in VOCABULARY_FILES) and not any(path.glob("*.tiktoken")):
+        raise ValueError(f"{path} has no tokenizer files ({', '.join(sorted(VOCABULARY_FILES))} or *.tiktoken); "
+                         "copy them from the model's repository beside its weights")
     image_token_id = None
     if "vision_config" in config and sharding is not None:
         raise ValueError("a vision model cannot be split across a distributed group (mlx-vlm models do not shard)")
