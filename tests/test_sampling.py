@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import openai
 import pytest
-from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.sample_utils import make_frequency_penalty, make_logits_processors, make_presence_penalty
 
 from tests.conftest import MODEL_NAME
 
@@ -100,18 +100,21 @@ def test_top_k_of_the_whole_vocabulary_filters_nothing(client, reference):
 def test_penalties_and_bias_match_mlx_lm(client, reference, server, params):
     context = server.health()["worker"]["context_length"]
     bias = {int(k): v for k, v in params.get("logit_bias", {}).items()}
+    # mlx-lm's processors; presence and frequency over the completion only, as OpenAI defines them
+    # (mlx-lm's look back over the prompt too).
     processors = make_logits_processors(
         logit_bias=bias or None,
         repetition_penalty=params.get("repetition_penalty"), repetition_context_size=context,
-        presence_penalty=params.get("presence_penalty"), presence_context_size=context,
-        frequency_penalty=params.get("frequency_penalty"), frequency_context_size=context,
     )
+    completion_penalties = [make(params[key], context) for key, make in (
+        ("presence_penalty", make_presence_penalty), ("frequency_penalty", make_frequency_penalty)) if key in params]
     # A conversation whose greedy output the parameter changes (on a random
     # model its effect depends on the margins between logits).
     for i in range(20):
         messages = [{"role": "user", "content": f"Story number {i}"}]
         prompt = reference.chat_prompt(messages)
-        expected = reference.greedy(prompt, 32, processors=processors)
+        over_completion = [lambda tokens, logits, p=p, n=len(prompt): p(tokens[n:], logits) for p in completion_penalties]
+        expected = reference.greedy(prompt, 32, processors=processors + over_completion)
         if expected.text != reference.greedy(prompt, 32).text:
             break
     else:
