@@ -18,7 +18,7 @@ import enum
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -264,6 +264,9 @@ class RequestGroup:
         self.states = states
         self.queue = queue
         self.ready_at = ready_at
+        # Ends its work at once, whether its reader reads or not (a client that stops reading holds the
+        # reader at a send): its server's, which aborts it in the worker and gives its lease back.
+        self.stop: Callable[[], None] = lambda: None
 
     @property
     def prompt_tokens(self) -> int:
@@ -290,6 +293,11 @@ class RequestGroup:
         shutdown): one for every choice, so that one still open gets it."""
         for state in self.states:
             self.queue.put_nowait(Delta("", state.index, finish_reason="error", error=message, error_status=status))
+        self.stop()
+
+    def _time_out(self) -> None:
+        self.queue.put_nowait(_TIMED_OUT)
+        self.stop()
 
     async def deltas(self, deadline: float | None = None) -> AsyncIterator[Delta]:
         """Every Delta of every request until each has its final one.
@@ -302,8 +310,7 @@ class RequestGroup:
         # One timer for the whole request rather than a timeout around every
         # wait: entering asyncio.timeout for each token was 6-8% of the
         # gateway's CPU at 32 streams (docs/benchmarks.md, issue 18).
-        timer = (asyncio.get_running_loop().call_at(deadline, self.queue.put_nowait, _TIMED_OUT)
-                 if deadline is not None else None)
+        timer = asyncio.get_running_loop().call_at(deadline, self._time_out) if deadline is not None else None
         backlog: deque[Delta] = deque()
         open_choices = set(range(len(self.states)))
         try:

@@ -340,9 +340,16 @@ class Serving:
 
         However it ends — finished, client gone, timed out, cancelled, failed —
         its `finally` aborts in the worker what still runs there and releases
-        the lease. Nothing else aborts a request for its client.
+        the lease. A timeout and a cancel do that at once too (group.stop),
+        since the reader may be held at a send to a client that stopped reading.
         """
         client_id = request.scope["state"]["client_id"]
+
+        def stop() -> None:  # the worker's work and the lease, given back at once (again at the end: a no-op)
+            self.link.abort([state.request_id for state in group.states if state.running])
+            lease.release()
+
+        group.stop = stop
         self.running[request_id] = (client_id, group)
         timeout = self.settings.request_timeout_s
         deadline = asyncio.get_running_loop().time() + timeout if timeout else None
@@ -374,8 +381,7 @@ class Serving:
                     calls[delta.index] += len(delta.tool_calls)
                 yield delta
         finally:
-            self.link.abort([state.request_id for state in group.states if state.running])
-            lease.release()
+            stop()
             del self.running[request_id]
             self.metrics.prompt_tokens += group.prompt_tokens
             self.metrics.generation_tokens += group.completion_tokens

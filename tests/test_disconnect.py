@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import socket
+import time
 
 import httpx
 import pytest
@@ -56,3 +59,25 @@ def test_cancel_endpoint_aborts_the_request(server):
     assert server.http.post(f"/v1/requests/{request_id}/cancel").status_code == 404
     assert server.http.post("/v1/requests/cmpl-nothing/cancel").status_code == 404
 
+
+
+def test_a_cancel_stops_the_work_of_a_client_that_stopped_reading(server):
+    """Its stream is held at a send to the client (the socket's buffers are full): the cancel ended the
+    stream only once it was read again, and meanwhile the worker went on to max_tokens."""
+    server.wait_idle()
+    body = json.dumps({"model": MODEL_NAME, "max_tokens": 1900, "temperature": 0, "ignore_eos": True, "stream": True,
+                       "logprobs": True, "top_logprobs": 20,  # about 2 KB an event: the buffers fill at once
+                       "messages": [{"role": "user", "content": "Hi"}]}).encode()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        sock.connect(("127.0.0.1", server.port))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        head = b""
+        while b"data: " not in head:
+            head += sock.recv(256)
+        request_id = re.search(rb'"id":"([^"]+)"', head + sock.recv(256)).group(1).decode()
+        time.sleep(0.5)  # no more reading: the writer fills the buffers and waits
+        assert server.http.post(f"/v1/requests/{request_id}/cancel").json()["cancelled"] is True
+        server.wait_running(lambda n: n == 0, timeout=1.0)
+        server.assert_steps_stopped()

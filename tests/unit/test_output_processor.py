@@ -155,6 +155,25 @@ def test_a_group_past_its_deadline_raises_timeout(tokenizer):
         asyncio.run(past_deadline())
 
 
+def test_the_deadline_stops_the_work_while_the_reader_is_held_elsewhere(tokenizer):
+    """A reader held at a send to a client that stopped reading pulls nothing: the deadline stops the
+    group's work itself (it only queued a marker the reader would see once it read again)."""
+    group = group_of(tokenizer, 1)
+    stopped: list[float] = []
+    group.stop = lambda: stopped.append(time.monotonic())
+
+    async def held_reader() -> None:
+        group.queue.put_nowait(Delta("a", 0))
+        deltas = group.deltas(asyncio.get_running_loop().time() + 0.05)
+        assert (await anext(deltas)).text == "a"
+        await asyncio.sleep(0.2)  # held: nothing pulls the next Delta
+        assert len(stopped) == 1
+        with pytest.raises(TimeoutError):
+            await anext(deltas)
+
+    asyncio.run(held_reader())
+
+
 def test_a_cancel_that_lands_with_a_delta_still_ends_the_reader(tokenizer):
     """The client leaves just as the worker's next text arrives: the reader must
     end there (asyncio.wait_for on Python 3.11 returned the Delta instead, and
