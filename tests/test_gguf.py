@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
+from pathlib import Path
 
 import gguf
 import mlx.core as mx
@@ -125,6 +127,18 @@ def test_a_chat_ends_at_the_end_of_turn_token_as_well(tiny_model, original, tmp_
     assert tokenizer.eos_token_ids == set(eos) | {eot}
 
 
+@pytest.mark.parametrize("header", [
+    struct.pack("<4sIQQQ", b"GGUF", 3, 0, 1, 2**63),  # a key 2^63 bytes long
+    struct.pack("<4sIQQQ", b"GGUF", 3, 1, 0, 2**33),  # a tensor name of 8 GiB
+    struct.pack("<4sIQQQ7sIIQ", b"GGUF", 3, 0, 1, 7, b"general", 9, 8, 2**40),  # an array of 2^40 strings
+])
+def test_a_header_whose_lengths_run_past_the_file_is_refused_at_once(tmp_path, header):
+    """A length is checked against the bytes left before anything is read: it was a traceback, or a read of 8 GiB."""
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(header + bytes(64))
+    assert_clear_error(run_mlxd("import-gguf", str(path), str(tmp_path / "out")), "runs past the file's end")
+
+
 def test_not_a_gguf_is_refused(tmp_path):
     path = tmp_path / "fake.gguf"
     path.write_bytes(b"PK\x03\x04 definitely a zip")
@@ -142,6 +156,12 @@ def test_gguf_model_is_imported_once_into_the_cache(tiny_model, tmp_path):
     assert "importing" not in second.stderr
     assert first.stdout == second.stdout
     assert first.stdout.startswith(str(tmp_path / "cache" / "mlxd" / "models"))
+    # An older mlxd's import (its checks and end tokens were fewer) is done again.
+    config = Path(first.stdout.strip()) / "config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "mlxd_gguf_import"}))
+    third = run_mlxd("prepare-model", "--model", str(path), env=env)
+    assert third.returncode == 0 and "importing" in third.stderr and third.stdout == first.stdout
+    assert "mlxd_gguf_import" in json.loads(config.read_text())
 
 
 def test_unknown_model_is_a_clear_error(tmp_path):

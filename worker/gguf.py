@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import struct
 import tempfile
@@ -81,6 +82,27 @@ def _scalar(metadata: dict, key: str, default=None):
     return value
 
 
+# Written into an import's config.json; an import of an older mlxd (lower, or
+# none) is done again: 2 refuses the tensor types below (older ones took
+# K-quants with wrong scales) and stops at the end-of-turn token too.
+IMPORT_VERSION = 2
+
+
+def is_current_import(out_dir: Path) -> bool:
+    """An import of a GGUF at `out_dir`, by this mlxd's importer."""
+    try:
+        return json.loads((out_dir / "config.json").read_text()).get("mlxd_gguf_import", 0) >= IMPORT_VERSION
+    except (OSError, ValueError):
+        return False
+
+
+def drop_stale_import(out_dir: Path) -> None:
+    """Remove an older mlxd's import at `out_dir` (if any), to be done again."""
+    if (out_dir / "config.json").is_file() and not is_current_import(out_dir):
+        log.info("%s was imported by an older mlxd; importing it again", out_dir)
+        shutil.rmtree(out_dir)
+
+
 # The tensor types (ggml_type) MLX reads as they are: floats, and the 32-weight
 # block quantizations it turns into its own. It turns others into float16 (the
 # K-quants, with wrong scales for half their sub-blocks) or fails on them.
@@ -92,66 +114,87 @@ OTHER_TYPES = {6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_
 _VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
 
-def tensor_types(path: Path) -> dict[str, int]:
-    """Each tensor's ggml type, read from the file's header (metadata skipped)."""
+def read_header(path: Path) -> tuple[str | None, dict[str, int]]:
+    """The file's architecture (general.architecture) and each tensor's ggml
+    type, read from its header; the rest of the metadata is skipped. A length
+    past the file's end is a GGUFError, never a read of it."""
+    corrupt = f"{path} cannot be read (truncated or corrupt?)"
     with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
 
         def take(fmt: str) -> int:
-            size = struct.calcsize(fmt)
-            data = f.read(size)
-            if len(data) != size:
-                raise GGUFError(f"{path} cannot be read (truncated or corrupt?): its header ends early")
+            data = f.read(struct.calcsize(fmt))
+            if len(data) != struct.calcsize(fmt):
+                raise GGUFError(f"{corrupt}: its header ends early")
             return struct.unpack(fmt, data)[0]
+
+        def skip(length: int) -> None:
+            if length > size - f.tell():
+                raise GGUFError(f"{corrupt}: its header runs past the file's end")
+            f.seek(length, 1)
+
+        def text() -> str:
+            length = take("<Q")
+            if length > size - f.tell():
+                raise GGUFError(f"{corrupt}: its header runs past the file's end")
+            return f.read(length).decode("utf-8", "replace")
 
         def skip_value(kind: int) -> None:
             if kind == 8:
-                f.seek(take("<Q"), 1)
+                skip(take("<Q"))
             elif kind == 9:
                 item, count = take("<I"), take("<Q")
                 if item in _VALUE_SIZES:
-                    f.seek(_VALUE_SIZES[item] * count, 1)
+                    skip(_VALUE_SIZES[item] * count)
+                elif count > size - f.tell():  # every item takes a byte at least
+                    raise GGUFError(f"{corrupt}: its header runs past the file's end")
                 else:
                     for _ in range(count):
                         skip_value(item)
             elif kind in _VALUE_SIZES:
-                f.seek(_VALUE_SIZES[kind], 1)
+                skip(_VALUE_SIZES[kind])
             else:
-                raise GGUFError(f"{path} cannot be read (truncated or corrupt?): metadata of unknown type {kind}")
+                raise GGUFError(f"{corrupt}: metadata of unknown type {kind}")
 
         if f.read(4) != GGUF_MAGIC:
             raise GGUFError(f"{path} is not a GGUF file (no GGUF magic number)")
         take("<I")  # version
         tensors, entries = take("<Q"), take("<Q")
+        architecture = None
         for _ in range(entries):
-            f.seek(take("<Q"), 1)  # the key
-            skip_value(take("<I"))
+            key, kind = text(), take("<I")
+            if key == "general.architecture" and kind == 8:
+                architecture = text()
+            else:
+                skip_value(kind)
         types = {}
         for _ in range(tensors):
-            name = f.read(take("<Q")).decode("utf-8", "replace")
-            f.seek(8 * take("<I"), 1)  # its dimensions
+            name = text()
+            skip(8 * take("<I"))  # its dimensions
             types[name] = take("<I")
             take("<Q")  # its data's offset
-        return types
+        return architecture, types
 
 
 def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict]:
-    unreadable = {name: kind for name, kind in tensor_types(path).items() if kind not in READABLE_TYPES}
+    architecture, types = read_header(path)
+    if architecture != "llama":
+        raise GGUFError(
+            f"{path.name}: architecture {architecture!r} is not supported; mlxd imports llama-architecture GGUFs"
+        )
+    unreadable = {name: kind for name, kind in types.items() if kind not in READABLE_TYPES}
     if unreadable:
         name, kind = next(iter(unreadable.items()))
+        more = f", and {len(unreadable) - 1} more" if len(unreadable) > 1 else ""
         raise GGUFError(
-            f"{path.name} holds tensors of type {OTHER_TYPES.get(kind, f'ggml type {kind}')} ({name}, and "
-            f"{len(unreadable) - 1} more); mlxd imports GGUFs of {', '.join(sorted(READABLE_TYPES.values()))} "
+            f"{path.name} holds tensors of type {OTHER_TYPES.get(kind, f'ggml type {kind}')} ({name}{more}); "
+            f"mlxd imports GGUFs of {', '.join(sorted(READABLE_TYPES.values()))} "
             "(for a Q4_K_M or other K-quant file, take the Q4_0 or Q8_0 one, or the model's MLX conversion)")
     try:
         # With return_metadata, mx.load returns (arrays, metadata), which its stub does not say.
         weights, metadata = cast(tuple[dict[str, mx.array], dict[str, Any]], mx.load(str(path), return_metadata=True))
     except Exception as e:  # mlx raises plain RuntimeError/ValueError for broken files
         raise GGUFError(f"{path} cannot be read (truncated or corrupt?): {e}") from None
-    architecture = metadata.get("general.architecture")
-    if architecture != "llama":
-        raise GGUFError(
-            f"{path.name}: architecture {architecture!r} is not supported; mlxd imports llama-architecture GGUFs"
-        )
     return weights, metadata
 
 
@@ -293,6 +336,7 @@ def import_gguf(gguf_path: Path, out_dir: Path, generation_config: dict | None =
     ends = [e for key in ("eos_token_id", "eot_token_id") if (e := _scalar(metadata, f"tokenizer.ggml.{key}")) is not None]
     if ends:
         config["eos_token_id"] = ends[0] if len(set(ends)) == 1 else list(dict.fromkeys(ends))
+    config["mlxd_gguf_import"] = IMPORT_VERSION
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))

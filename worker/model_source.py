@@ -26,7 +26,7 @@ import zipfile
 from pathlib import Path
 
 from protocol.worker_settings import DEFAULT_MODEL_NAME, cache_dir, is_repo_id, pulled_model
-from worker.gguf import import_gguf
+from worker.gguf import drop_stale_import, import_gguf
 
 log = logging.getLogger("mlxd.worker.model")
 
@@ -80,6 +80,7 @@ def imported_gguf(path: Path) -> Path:
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_dir() / "models" / f"{path.stem}-{key}"
+    drop_stale_import(out)
     if (out / "config.json").exists():
         return out
     log.info("importing %s into %s (once; later starts reuse it)", path, out)
@@ -96,6 +97,7 @@ DEFAULT_GENERATION_CONFIG = {"temperature": 0.2, "top_p": 0.9}
 
 def default_model() -> Path:
     out = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    drop_stale_import(out)
     if (out / "config.json").exists():
         generation_config = out / "generation_config.json"
         if not generation_config.exists():  # imported by an mlxd that did not write it

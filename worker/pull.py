@@ -24,7 +24,7 @@ from pathlib import Path
 
 from protocol.units import format_size
 from protocol.worker_settings import cache_dir, is_repo_id
-from worker.gguf import GGUFError, import_gguf
+from worker.gguf import GGUFError, import_gguf, is_current_import
 from worker.model_source import hugging_face
 
 CHUNK = 1 << 20
@@ -49,6 +49,12 @@ def pull(source: str, name: str | None = None) -> tuple[Path, str]:
     if "/" in name or name.startswith("."):
         raise PullError(f"--name {name!r}: a name is one path component")
     model = cache_dir() / "models" / name
+    if (model / "config.json").is_file() and not is_current_import(model):
+        # Not removed here: the directory may be a model someone put in the cache by hand.
+        print(f"{name} in the cache ({model}) is not an import of this mlxd's (an older one took K-quant "
+              f"files with wrong scales, and stopped at EOS only): `mlxd rm {name}` and pull again to redo it",
+              file=sys.stderr)
+        return model, name
     if (model / "config.json").is_file():
         print(f"{name} is already in the cache ({model})", file=sys.stderr)
         return model, name
