@@ -228,6 +228,8 @@ class ModelPool:
         m = lease.model
         assert m is not None
         async with self._lock:
+            if lease.released:  # its request ended (a cancel, a drain) while this waited for the lock
+                raise Unavailable("the request ended before its memory was reserved", "request_ended")
             charge = m.charge
             before = charge.kv_reserved
             with_it = batch_kv(footprint, charge.rows + rows) + charge.kv_other + other

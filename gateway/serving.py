@@ -340,8 +340,9 @@ class Serving:
 
         However it ends — finished, client gone, timed out, cancelled, failed —
         its `finally` aborts in the worker what still runs there and releases
-        the lease. A timeout and a cancel do that at once too (group.stop),
-        since the reader may be held at a send to a client that stopped reading.
+        the lease. A timeout, a cancel and a drain do that at once too
+        (group.stop), since the reader may be held at a send to a client that
+        stopped reading.
         """
         client_id = request.scope["state"]["client_id"]
 
@@ -360,8 +361,9 @@ class Serving:
             try:
                 await lease.reserve(worker.hello.kv_footprint,
                                     [len(s.prompt) + s.sampling.max_tokens for s in group.states])
-                for state in group.states:
-                    self.link.submit(state, worker)
+                if not lease.released:  # else it ended (a cancel, a drain) while room was made: its error is queued
+                    for state in group.states:
+                        self.link.submit(state, worker)
             except Unavailable as e:
                 raise unavailable(str(e), e.code) from None
             except WorkerUnavailable as e:

@@ -268,7 +268,8 @@ class WorkerLink:
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop requests whose client is done with them, and tell their workers
-        to drop those still running. Only `Serving.generate` calls this."""
+        to drop those still running. Only `Serving.generate`'s stop calls this
+        (at the request's end, or at once for a timeout, a cancel, a drain)."""
         dropped: dict[bytes, list[str]] = {}
         for request_id in request_ids:
             self._resume_by.pop(request_id, None)

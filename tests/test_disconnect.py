@@ -75,10 +75,11 @@ def test_a_cancel_stops_the_work_of_a_client_that_stopped_reading(server):
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         head = b""
-        while b"data: " not in head:
+        while (found := re.search(rb'"id":"([^"]+)"', head)) is None:
             head += sock.recv(256)
-        request_id = re.search(rb'"id":"([^"]+)"', head + sock.recv(256)).group(1).decode()
+        request_id = found.group(1).decode()
         time.sleep(1.0)  # no more reading: the writer fills the buffers and waits
+        assert server.health()["worker"]["running"] == 16  # still decoding: the cancel has work to stop
         steps = server.health()["worker"]["steps"]
         assert server.http.post(f"/v1/requests/{request_id}/cancel").json()["cancelled"] is True
         server.wait_running(lambda n: n == 0, timeout=1.0)

@@ -98,7 +98,8 @@ def pull_main(argv: list[str]) -> int:
         prog="mlxd pull",
         description="Put a model in the cache, to serve it later: a Hugging Face repo (owner/name), or a .gguf "
         "file on this machine or at an http(s) URL (imported as NAME; `--model NAME` serves it). Shows its "
-        "progress; an interrupted pull continues where it stopped when run again.",
+        "progress; an interrupted download (a URL's, a Hugging Face repo's) continues where it stopped when run "
+        "again; a file on this machine is copied whole.",
     )
     parser.add_argument("source", help="owner/name, path/to/model.gguf, or https://host/path/model.gguf")
     parser.add_argument("--name", help="the name a .gguf is cached and served under (default: its file name "
@@ -114,7 +115,7 @@ def pull_main(argv: list[str]) -> int:
     except (PullError, ModelNotFound, GGUFError, OSError) as e:
         return _fail(str(e))
     except KeyboardInterrupt:
-        return _fail("interrupted; pull again to continue where it stopped")
+        return _fail("interrupted; pull again to go on (a download continues where it stopped)")
     print(f"pulled {model} into {directory}; serve it with: mlxd serve --model {model}")
     return 0
 

@@ -74,12 +74,12 @@ def dequantize_for_cpu(model: nn.Module) -> int:
     replaced = []
     for name, module in model.named_modules():
         if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            mode = getattr(module, "mode", "affine")
             if module.biases is not None:  # affine (GGUF's, most of mlx-lm's): float32 scales dequantize faster here
                 weight = mx.dequantize(module.weight, module.scales.astype(mx.float32),
                                        module.biases.astype(mx.float32), module.group_size, module.bits)
             else:  # mxfp4, nvfp4 (gpt-oss): scales of their own format, no biases
-                weight = mx.dequantize(module.weight, module.scales, None, module.group_size, module.bits, mode=mode)
+                weight = mx.dequantize(module.weight, module.scales, None, module.group_size, module.bits,
+                                       mode=module.mode)
             plain: nn.Module
             if isinstance(module, nn.QuantizedEmbedding):
                 plain = nn.Embedding(*weight.shape)
@@ -153,7 +153,7 @@ def load_model(spec: str, context_length: int | None = None, cpu_dequantize: boo
 def _load(path: Path, name: str, context_length: int | None, cpu_dequantize: bool,
           sharding: Sharding | None) -> LoadedModel:
     config = json.loads((path / "config.json").read_text())
-    if not any((path / name).is_file() for name in VOCABULARY_FILES) and not any(path.glob("*.tiktoken")):
+    if not any((path / file).is_file() for file in VOCABULARY_FILES) and not any(path.glob("*.tiktoken")):
         raise ValueError(f"{path} has no tokenizer files ({', '.join(sorted(VOCABULARY_FILES))} or *.tiktoken); "
                          "copy them from the model's repository beside its weights")
     image_token_id = None

@@ -92,7 +92,8 @@ def fetch(source: str, partial: Path, label: str) -> None:
                             "pull again to continue") from None
     progress.done(have)
     if total is not None and have != total:
-        raise PullError(f"{source} ended after {have} of {total} bytes; pull again to continue")
+        raise PullError(f"{source} ended after {have} of {total} bytes; pull again"
+                        + (" to continue" if source.startswith(("http://", "https://")) else ""))
     partial.with_suffix(".version").unlink(missing_ok=True)
 
 

@@ -124,3 +124,27 @@ def test_the_kv_charge_is_the_batch_mlx_lm_holds():
     assert batch_kv(footprint, [2016]) == 2048 * 4096
     assert batch_kv(footprint, [2016] + [24] * 7) == 8 * 2048 * 4096
     assert batch_kv(KVFootprint(per_token=10, windowed=((3, 100),), fixed=7), [300, 10]) == 2 * (512 * 10 + 3 * 100 + 7)
+
+
+def test_a_request_that_ends_while_its_reservation_waits_for_the_lock_is_never_charged(tmp_path):
+    """A cancel or a drain releases the lease at once now; a reservation still waiting for the pool's
+    lock (another model loading holds it) was charged after that release, for good."""
+    async def run() -> None:
+        pool = pool_of(tmp_path, ["a"])
+        await run_deaf_worker(pool, "a")
+        a = pool.models["a"]
+        a.users += 1  # the lease's hold, as ModelPool.lease takes it
+        lease = Lease(pool, a, None)
+        try:
+            async with pool._lock:
+                reserving = asyncio.create_task(lease.reserve(KVFootprint(per_token=1), [100]))
+                await asyncio.sleep(0.05)
+                lease.release()
+            with pytest.raises(Unavailable, match="ended"):
+                await reserving
+            assert a.charge.rows == [] and a.charge.kv_reserved == 0
+        finally:
+            await pool.stop()
+            await pool.link.close()
+
+    asyncio.run(run())
