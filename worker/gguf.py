@@ -331,9 +331,10 @@ def import_gguf(gguf_path: Path, out_dir: Path, generation_config: dict | None =
     config = model_config(
         metadata, len(metadata["tokenizer.ggml.tokens"]), bits, tied="lm_head.weight" not in converted
     )
-    # A chat model's turn may end with its end-of-turn token rather than its EOS (older Llama 3 GGUFs):
-    # generation stops at either, as llama.cpp's does.
-    ends = [e for key in ("eos_token_id", "eot_token_id") if (e := _scalar(metadata, f"tokenizer.ggml.{key}")) is not None]
+    # A chat model's turn may end with its end-of-turn (or Llama 3.1's end-of-message) token rather than
+    # its EOS (older Llama 3 GGUFs): generation stops at any, as llama.cpp's does.
+    ends = [e for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+            if (e := _scalar(metadata, f"tokenizer.ggml.{key}")) is not None]
     if ends:
         config["eos_token_id"] = ends[0] if len(set(ends)) == 1 else list(dict.fromkeys(ends))
     config["mlxd_gguf_import"] = IMPORT_VERSION
