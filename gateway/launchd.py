@@ -136,14 +136,18 @@ PATH_SETTINGS = {"api_key_file", "prefix_cache_dir", "curve_secret_key", "curve_
                  "curve_authorized_keys"}
 
 
+def _absolute(path: str) -> str:
+    return str(Path(path).expanduser().absolute())
+
+
 def absolute_paths(settings: S) -> S:
     """`settings` with each path among PATH_SETTINGS absolute, and a
     --distributed-hosts that names a hostfile here (not a list of hosts)."""
-    paths = {name: str(Path(value).expanduser().absolute()) for name in PATH_SETTINGS
+    paths = {name: _absolute(value) for name in PATH_SETTINGS
              if isinstance(value := getattr(settings, name, None), str) and value}
     hosts = getattr(settings, "distributed_hosts", None)
     if isinstance(hosts, str) and hosts and Path(hosts).expanduser().is_file():
-        paths["distributed_hosts"] = str(Path(hosts).expanduser().absolute())
+        paths["distributed_hosts"] = _absolute(hosts)
     return msgspec.structs.replace(settings, **paths)
 
 
@@ -153,8 +157,7 @@ def absolute_model(model: str) -> str:
     name, source = split_model(model)
     if not source or not Path(source).expanduser().exists():
         return model
-    source = str(Path(source).expanduser().absolute())
-    return f"{name}={source}" if name else source
+    return f"{name}={_absolute(source)}" if name else _absolute(source)
 
 
 def worker_jobs(worker: WorkerSettings, models: list[str]) -> dict[str, WorkerSettings]:

@@ -36,7 +36,7 @@ import msgspec
 
 from gateway.ledger import Charge, batch_kv, weights_on_disk
 from gateway.liveness import UNHEALTHY
-from gateway.supervisor import WorkerSupervisor
+from gateway.supervisor import WorkerSupervisor, local_pids
 from gateway.worker_link import WorkerLink
 from protocol import KVFootprint
 from protocol.units import format_size
@@ -366,7 +366,7 @@ class ModelPool:
 
     def _served_elsewhere(self, name: str) -> bool:
         """A ready worker the pool did not start (a replica, another Mac) serves the name."""
-        local = {m.supervisor.process.pid for m in self.models.values() if m.supervisor.process}
+        local = local_pids(self.supervisors)
         return any(w.ready and name in w.names and w.hello.pid not in local for w in self.link.workers.values())
 
     def _used_without(self, m: PooledModel) -> int:

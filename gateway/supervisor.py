@@ -3,8 +3,8 @@
 A worker that exits is restarted after a backoff that doubles from 0.5 s up
 to 30 s (and starts over once a worker has stayed up a minute). Five exits
 within a minute is a crash loop: reported in /health and the log, and retried
-at the slowest pace rather than spun, until a worker stays up a minute. A worker the link reports hung is killed,
-and so restarted. The first worker of a start that cannot load its model
+at the slowest pace rather than spun, until a worker stays up a minute. A
+worker the link reports hung is killed, and so restarted. The first worker of a start that cannot load its model
 stops the supervisor and reports the reason (on_fatal): retrying would only
 fail the same way. The pool (gateway/pool.py) starts and stops supervisors as
 models load and unload.

@@ -85,10 +85,9 @@ def _layout(arrays: list[mx.array]) -> bytes:
                                               [str(a.dtype).rsplit(".", 1)[1] for a in arrays]))
 
 
-def block_payload(arrays: list[mx.array]) -> list[bytes]:
-    """A block's payload in pieces: the layout's length, the layout, each
-    array's bytes. On the main thread, which alone calls MLX."""
-    layout = _layout(arrays)
+def block_payload(arrays: list[mx.array], layout: bytes) -> list[bytes]:
+    """A block's payload in pieces: the layout's length, the layout (_layout's
+    of the arrays), each array's bytes. On the main thread, which alone calls MLX."""
     return [struct.pack("<I", len(layout)), layout, *(np.asarray(a.view(mx.uint8)).tobytes() for a in arrays)]
 
 
@@ -271,8 +270,8 @@ class DiskCache:
         for index, key in enumerate(keys):
             start, end = index * BLOCK_TOKENS, (index + 1) * BLOCK_TOKENS
             arrays = [mx.contiguous(a[..., start:end, :]) for c in cache for a in (c.keys, c.values)]
-            size = sum(a.nbytes for a in arrays)
-            if end // BLOCK_TOKENS * (size + _header_bytes(arrays)) > self.budget:
+            size, layout = sum(a.nbytes for a in arrays), _layout(arrays)
+            if end // BLOCK_TOKENS * (size + _header_bytes(layout)) > self.budget:
                 return  # blocks past what the budget holds of the chain would evict its own first ones
             with self._lock:
                 if key in self._files or key in self._queued:
@@ -282,7 +281,7 @@ class DiskCache:
                 self._queued_bytes += size
                 self._queued.add(key)
             mx.eval(arrays)
-            self._pending.put((key, block_payload(arrays), size, keys[:index]))
+            self._pending.put((key, block_payload(arrays, layout), size, keys[:index]))
 
     def close(self) -> None:
         """Write what is queued, then stop the writer and the readers."""
@@ -359,9 +358,9 @@ class DiskCache:
                     self._files.move_to_end(earlier)
 
 
-def _header_bytes(arrays: list[mx.array]) -> int:
+def _header_bytes(layout: bytes) -> int:
     """What a block file holds besides its arrays (see block_file and block_payload)."""
-    return len(MAGIC) + 32 + 4 + len(_layout(arrays))
+    return len(MAGIC) + 32 + 4 + len(layout)
 
 
 def _stats(directory: Path, pattern: str) -> list[tuple[Path, os.stat_result]]:

@@ -14,7 +14,6 @@ The cache lives in $XDG_CACHE_HOME/mlxd (default ~/.cache/mlxd).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -97,11 +96,8 @@ DEFAULT_GENERATION_CONFIG = {"temperature": 0.2, "top_p": 0.9}
 
 def default_model() -> Path:
     out = cache_dir() / "models" / DEFAULT_MODEL_NAME
-    drop_stale_import(out)
+    drop_stale_import(out)  # an older mlxd's, without its generation_config.json among others
     if (out / "config.json").exists():
-        generation_config = out / "generation_config.json"
-        if not generation_config.exists():  # imported by an mlxd that did not write it
-            generation_config.write_text(json.dumps(DEFAULT_GENERATION_CONFIG, indent=2))
         return out
     wheel = default_wheel()
     log.info("importing %s from %s into %s (first run only)", DEFAULT_MODEL_NAME, wheel.name, out)
