@@ -76,6 +76,22 @@ def _template_content(content: str | list[dict], vision: bool) -> str | list[dic
     return "".join(p["text"] for p in content if p["type"] == "text")
 
 
+def _system_first(messages: list[dict]) -> list[dict]:
+    """The messages with every system message's content joined, in order, into
+    one leading system message; the same list when at most the first message
+    is a system message."""
+    systems = [m for m in messages if m["role"] == "system"]
+    if not systems or systems == [messages[0]]:
+        return messages
+    contents = [m["content"] for m in systems]
+    if all(isinstance(c, str) for c in contents):
+        joined: str | list[dict] = "\n\n".join(contents)
+    else:
+        parts = [[{"type": "text", "text": c}] if isinstance(c, str) else c for c in contents]
+        joined = [part for i, p in enumerate(parts) for part in ([{"type": "text", "text": "\n\n"}] if i else []) + p]
+    return [{"role": "system", "content": joined}, *(m for m in messages if m["role"] != "system")]
+
+
 def files_digest(files: dict[str, bytes]) -> str:
     h = hashlib.sha256()
     for name in sorted(files):
@@ -172,15 +188,22 @@ class Tokenizer:
                     for m in fit_call_ids(messages, self._call_id_style)]
         # A template that rewrites the last message's text cannot continue it (transformers
         # finds it no more): the answer then opens a turn of its own, as without a prefill.
-        for continuing in dict.fromkeys((continue_final, False)):
+        # One that refuses a system message anywhere but first (Qwen 3.5's), where Claude Code
+        # and Codex put them, gets every system message's text in one leading message.
+        continuations = dict.fromkeys((continue_final, False))
+        attempts = [(messages, c) for c in continuations]
+        if (leading := _system_first(messages)) is not messages:
+            attempts += [(leading, c) for c in continuations]
+        error: Exception | None = None
+        for attempt, continuing in attempts:
             try:
                 text = self._tok.apply_chat_template(
-                    messages, tools=template_tools, add_generation_prompt=not continuing,
+                    attempt, tools=template_tools, add_generation_prompt=not continuing,
                     continue_final_message=continuing, tokenize=False, **(template_kwargs or {})
                 )
                 break
             except (TemplateError, TypeError, ValueError) as e:  # the last two: chat_template_kwargs it cannot use
-                error = e
+                error = error or e
         else:
             raise PromptError(f"the model's chat template rejected these messages: {error}") from None
         assert isinstance(text, str)  # tokenize=False

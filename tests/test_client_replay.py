@@ -5,7 +5,8 @@ the client itself (installed from npm, run headless against mlxd through a
 recording proxy; the capture machine's ids replaced by zeros). A new client
 version whose requests mlxd does not accept shows here, once its capture is
 added. Only the length limit is changed, so that the random model's answer
-stays short.
+stays short. The model's template refuses a system message past the first
+message, as Qwen 3.5's does: Claude Code sends one there.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import running
-from tests.tiny_model import make_tiny_model
+from tests.tiny_model import SYSTEM_FIRST_TEMPLATE, make_tiny_model
 
 CAPTURES = sorted((Path(__file__).parent / "data" / "clients").glob("*.json"))
 LENGTH_FIELD = {"/v1/messages": "max_tokens", "/v1/responses": "max_output_tokens",
@@ -29,7 +30,8 @@ LAST_EVENTS = {"/v1/messages": ("message_stop",), "/v1/responses": ("response.in
 @pytest.fixture(scope="module")
 def agent_server(tmp_path_factory):
     # The agents' system prompts and tool lists run to 15,000 tokens: a context that holds them.
-    model = make_tiny_model(tmp_path_factory.mktemp("replay") / "tiny", context=32768)
+    model = make_tiny_model(tmp_path_factory.mktemp("replay") / "tiny", context=32768,
+                            chat_template=SYSTEM_FIRST_TEMPLATE)
     with running(["serve", "--model", str(model), "--served-model-name", "tiny", "--model-alias", "*=tiny"],
                  model.parent / "serve.log") as srv:
         yield srv

@@ -33,6 +33,12 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# As Qwen 3.5's template does: a system message anywhere but first is an error.
+SYSTEM_FIRST_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('System message must be at the beginning.') }}{% endif %}{% endfor %}" + CHAT_TEMPLATE
+)
+
 
 def train_tokenizer(vocab_size: int = 384) -> Tokenizer:
     tok = Tokenizer(models.BPE())
@@ -58,6 +64,7 @@ def make_tiny_model(
     logit_scale: float = 8.0,
     model_type: str = "llama",
     weight_index: bool = False,
+    chat_template: str = CHAT_TEMPLATE,
 ) -> Path:
     """Write a loadable mlx-lm model directory at `path` and return it.
 
@@ -84,7 +91,7 @@ def make_tiny_model(
                 "eos_token": "<|im_end|>",
                 "pad_token": "<|endoftext|>",
                 "unk_token": None,
-                "chat_template": CHAT_TEMPLATE,
+                "chat_template": chat_template,
                 "model_max_length": context,
                 "clean_up_tokenization_spaces": False,
             }
