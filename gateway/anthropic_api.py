@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from gateway.anthropic_schema import (
     Base64Source,
+    Block,
     Conversation,
     CountTokensRequest,
     DocumentBlock,
@@ -70,34 +71,42 @@ def stop_reason(finish_reason: str | None, stop_string: str | None, calls: int) 
 
 def chat_input(body: Conversation) -> ChatInput:
     """Anthropic messages as the chat template's messages, and their image
-    blocks, in order. Earlier thinking is not replayed into the prompt, as
-    chat templates do not replay it."""
+    blocks, in order. Consecutive messages of one role are one turn, as
+    Anthropic joins them (templates that insist on alternating roles refuse
+    them apart). Earlier thinking is not replayed into the prompt, as chat
+    templates do not replay it."""
     messages = []
     images = []
     if body.system:
         system = body.system if isinstance(body.system, str) else "\n\n".join(b.text for b in body.system)
         messages.append(template_message("system", [{"type": "text", "text": system}]))
+    turns: list[tuple[str, list[tuple[str, Block]]]] = []  # (role, [(the block's parameter, block)])
     for i, m in enumerate(body.messages):
         blocks = [TextBlock(m.content)] if isinstance(m.content, str) else m.content
+        placed = [(f"messages[{i}].content[{j}]", block) for j, block in enumerate(blocks)]
+        if turns and turns[-1][0] == m.role:
+            turns[-1][1].extend(placed)
+        else:
+            turns.append((m.role, placed))
+    for role, placed in turns:
         parts: list[dict] = []
         tool_calls = []
-        for j, block in enumerate(blocks):
+        for param, block in placed:
             if isinstance(block, TextBlock):
                 parts.append({"type": "text", "text": block.text})
             elif isinstance(block, DocumentBlock | SearchResultBlock):
                 parts.append({"type": "text", "text": block.text()})
             elif isinstance(block, ImageBlock):
                 source = block.source
-                param = f"messages[{i}].content[{j}].source"
-                images.append(ImageSource(param, data=source.data) if isinstance(source, Base64Source)
-                              else ImageSource(param, url=source.url))
+                images.append(ImageSource(f"{param}.source", data=source.data) if isinstance(source, Base64Source)
+                              else ImageSource(f"{param}.source", url=source.url))
                 parts.append({"type": "image"})
             elif isinstance(block, ToolUseBlock):
                 tool_calls.append(template_tool_call(block.id, block.name, block.input))
             elif isinstance(block, ToolResultBlock):
                 messages.append(template_message("tool", block.text(), tool_call_id=block.tool_use_id))
         if parts or tool_calls:
-            messages.append(template_message(m.role, parts, tool_calls))
+            messages.append(template_message(role, parts, tool_calls))
     # A conversation that ends with the assistant's text is a prefill: the answer goes on from it.
     prefill = (body.messages[-1].role == "assistant" and bool(messages) and messages[-1]["role"] == "assistant"
                and "tool_calls" not in messages[-1])
@@ -105,9 +114,11 @@ def chat_input(body: Conversation) -> ChatInput:
 
 
 def template_kwargs(body: Conversation) -> dict | None:
+    """The template's reasoning switches: as Anthropic's models do, one asked
+    neither for thinking nor for an effort does not think."""
     effort = body.output_config.effort if body.output_config else None
     thinking = None if body.thinking is None else not isinstance(body.thinking, ThinkingDisabled)
-    return reasoning_switches(effort, thinking)
+    return reasoning_switches(effort, False if thinking is None and effort is None else thinking)
 
 
 def tools(body: Conversation) -> list[dict] | None:
@@ -141,8 +152,12 @@ def messages_plan(body: MessagesRequest) -> Plan:
 
 
 def shows_thinking(body: MessagesRequest) -> bool:
-    """False when `thinking.display` is "omitted": the reasoning is not returned."""
-    return getattr(body.thinking, "display", None) != "omitted"
+    """Whether reasoning comes back as thinking blocks: only where thinking is
+    on (a model that reasons whatever its template is told keeps it to
+    itself otherwise, as Anthropic returns no thinking unasked), and not with
+    `thinking.display` "omitted"."""
+    return (template_kwargs(body) or {}).get("enable_thinking") is True \
+        and getattr(body.thinking, "display", None) != "omitted"
 
 
 class AnthropicAPI:

@@ -217,9 +217,10 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
             Exception: internal_error_handler,
         },
         middleware=[
-            # Outermost first: CORS answers browser preflights before any key check.
+            # Outermost first: CORS answers browser preflights before any key check. Any header: the
+            # SDKs in a browser send their own (anthropic-version, x-stainless-*), and keys guard the API.
             *([Middleware(CORSMiddleware, allow_origins=settings.cors_origin, allow_methods=["GET", "POST", "DELETE"],
-                          allow_headers=["Authorization", "Content-Type", "x-api-key"])]
+                          allow_headers=["*"])]
               if settings.cors_origin else []),
             Middleware(RequestCounter, metrics=serving.metrics),
             Middleware(Guard, settings=settings, keys=keys, keep_alive_s=pool.keep_alive_s),

@@ -57,6 +57,7 @@ ANTHROPIC_TYPES = {
     429: "rate_limit_error",
     503: "overloaded_error",
     504: "timeout_error",
+    529: "overloaded_error",
 }
 
 
@@ -87,7 +88,8 @@ def error_payload(path: str, status: int, message: str, type: str, param=None, c
 def error_response(path: str, e: APIError) -> Response:
     return Response(
         error_payload(path, e.status, e.message, e.type, e.param, e.code),
-        status_code=e.status,
+        # Anthropic says "overloaded" with a 529, which its SDKs raise as OverloadedError.
+        status_code=529 if e.status == 503 and is_anthropic(path) else e.status,
         media_type="application/json",
         headers=e.headers,
     )

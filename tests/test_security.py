@@ -138,6 +138,10 @@ def test_allowed_host_and_cors(tiny_model, tmp_path):
                      "Access-Control-Request-Headers": "authorization,content-type"}
         allowed = server.http.options("/v1/chat/completions", headers=preflight)
         assert allowed.headers["access-control-allow-origin"] == "http://app.example"
+        # The Anthropic SDK in a browser: its own headers pass the preflight too.
+        sdk = dict(preflight, **{"Access-Control-Request-Headers": "anthropic-version,x-api-key,x-stainless-os,"
+                                                                   "anthropic-dangerous-direct-browser-access"})
+        assert server.http.options("/v1/messages", headers=sdk).status_code == 200
         other = server.http.options("/v1/chat/completions", headers=dict(preflight, Origin="http://evil.example"))
         assert "access-control-allow-origin" not in other.headers
     finally:
@@ -205,6 +209,9 @@ def test_limits(tiny_model, tmp_path):
             lines = r.iter_lines()
             events = [next(lines)]
             assert_error(server.http.post("/v1/chat/completions", json=CHAT), 503, "overloaded")
+            # Anthropic's clients know "overloaded" by its 529 (the SDKs' OverloadedError).
+            refused = server.http.post("/v1/messages", json=dict(message, max_tokens=1))
+            assert refused.status_code == 529 and refused.json()["error"]["type"] == "overloaded_error"
             events += [line for line in lines if line.startswith("data: ")]
         assert '"code":"timeout"' in events[-2] and events[-1] == "data: [DONE]"
         server.wait_running(lambda n: n == 0, timeout=2)

@@ -1,0 +1,43 @@
+"""Anthropic's messages as chat templates take them: consecutive messages of
+one role are one turn, as Anthropic joins them; thinking is off unless the
+request asks for it, and comes back only where it was asked for."""
+
+import msgspec
+
+from gateway.anthropic_api import chat_input, shows_thinking
+from gateway.anthropic_schema import MessagesRequest
+
+
+def request(**fields) -> MessagesRequest:
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], **fields}
+    return msgspec.convert(body, MessagesRequest)
+
+
+def test_consecutive_messages_of_one_role_are_one_turn():
+    body = request(messages=[
+        {"role": "user", "content": "First."},
+        {"role": "user", "content": [{"type": "text", "text": "Second."},
+                                     {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                  "data": "AAAA"}}]},
+        {"role": "assistant", "content": "One."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "done"}]},
+        {"role": "user", "content": "Thanks."},
+    ])
+    prompt = chat_input(body)
+    assert [m["role"] for m in prompt.messages] == ["user", "assistant", "tool", "user"]
+    assert [p.get("text") for p in prompt.messages[0]["content"]] == ["First.", "Second.", None]
+    assert prompt.messages[1]["tool_calls"][0]["function"]["name"] == "f"
+    assert [image.param for image in prompt.images] == ["messages[1].content[1].source"]
+
+
+def test_thinking_is_off_unless_asked_for_and_shown_only_then():
+    assert chat_input(request()).template_kwargs == {"enable_thinking": False}
+    assert not shows_thinking(request())
+    assert not shows_thinking(request(thinking={"type": "disabled"}))
+    enabled = request(thinking={"type": "enabled", "budget_tokens": 1024})
+    assert chat_input(enabled).template_kwargs == {"enable_thinking": True} and shows_thinking(enabled)
+    assert not shows_thinking(request(thinking={"type": "adaptive", "display": "omitted"}))
+    effort = request(output_config={"effort": "high"})  # an effort alone decides, as before
+    assert chat_input(effort).template_kwargs == {"reasoning_effort": "high", "enable_thinking": True}
+    assert shows_thinking(effort)
