@@ -68,9 +68,10 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 def timestamp(at: float | None = None) -> str:
-    """RFC 3339 in UTC, as Ollama writes its times."""
+    """RFC 3339 in UTC with its fraction of a second, as Ollama writes its times
+    (clients such as OllamaKit read no time without one)."""
     moment = datetime.now(timezone.utc) if at is None else datetime.fromtimestamp(at, timezone.utc)
-    return moment.isoformat().replace("+00:00", "Z")
+    return moment.isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 def nanoseconds(seconds: float) -> int:
@@ -83,17 +84,26 @@ def tagged(name: str) -> str:
 
 
 def decode_ollama(body: bytes, request_type: type[T]) -> T:
-    """A chat or generate body as Ollama (Go) reads it: a null is a field left
-    out, in the body, its options and its messages (clients send them so). Not
-    deeper: a schema in `format` or a tool's arguments may hold nulls of their own."""
+    """A body as Ollama (Go) reads it: a null is a field left out, in the body,
+    its options and its messages (clients send them so), and a message's role
+    is read in any case. Not deeper: a schema in `format` or a tool's
+    arguments may hold nulls of their own."""
     raw = decode_body(body, object)
     if isinstance(raw, dict):
         raw = _present(raw)
         if isinstance(raw.get("options"), dict):
             raw["options"] = _present(raw["options"])
         if isinstance(raw.get("messages"), list):
-            raw["messages"] = [_present(m) if isinstance(m, dict) else m for m in raw["messages"]]
+            raw["messages"] = [_message(m) if isinstance(m, dict) else m for m in raw["messages"]]
     return convert(raw, request_type, "")
+
+
+def _message(fields: dict) -> dict:
+    """A message as Go reads it: its nulls left out, its role in lower case."""
+    message = _present(fields)
+    if isinstance(message.get("role"), str):
+        message["role"] = message["role"].lower()
+    return message
 
 
 def _present(fields: dict) -> dict:
@@ -108,7 +118,9 @@ def sampling(options: Options | None) -> tuple[SamplingParams, list[str], int | 
                        param="options.num_predict")
     params = SamplingParams(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p,
                             repetition_penalty=o.repeat_penalty, presence_penalty=o.presence_penalty or 0.0,
-                            frequency_penalty=o.frequency_penalty or 0.0, seed=o.seed)
+                            # A negative seed is Ollama's (and llama.cpp's) "no seed": a new draw every time.
+                            frequency_penalty=o.frequency_penalty or 0.0,
+                            seed=o.seed if o.seed is not None and o.seed >= 0 else None)
     max_tokens = o.num_predict if o.num_predict is not None and o.num_predict > 0 else None
     return params, nonempty_stops(o.stop or [], "options.stop"), max_tokens
 
@@ -125,12 +137,13 @@ def output_format(value: str | dict | None) -> tuple[bool, dict | None]:
 
 
 def thinking(think: bool | str | None) -> dict | None:
-    """`think`: on or off, or an effort ("low", "medium", "high") -> the chat template's switches."""
+    """`think`: on or off, or how hard to think ("low", "medium", "high",
+    "max"), which is on, as in Ollama -> the chat template's switches."""
     if think is None or isinstance(think, bool):
         return reasoning_switches(None, think)
-    if think in ("low", "medium", "high"):
-        return reasoning_switches(think)
-    raise APIError(400, 'think must be true, false, "low", "medium" or "high"', param="think")
+    if think in ("low", "medium", "high", "max"):
+        return reasoning_switches(think, True)
+    raise APIError(400, 'think must be true, false, "low", "medium", "high" or "max"', param="think")
 
 
 def chat_input(messages: list[Message], think: bool | str | None, param: str = "messages") -> ChatInput:
@@ -297,14 +310,21 @@ class OllamaAPI:
                 await serving.pool.unload(name)
             reason = "unload"
         else:
-            lease, _ = await serving.lease(model, keep_alive_s, request=request)
-            lease.release()
+            await self._load(request, model, keep_alive_s)
             reason = "load"
         return MsgspecResponse(msgspec.structs.replace(output.piece("", "", None, True), done_reason=reason))
 
+    async def _load(self, request: Request, model: str, keep_alive_s: float | None) -> None:
+        """Load the model (or keep it loaded) and run nothing on it."""
+        lease, _ = await self.serving.lease(model, keep_alive_s, request=request)
+        lease.release()
+
     async def embed(self, request: Request) -> Response:
-        body = decode_body(await self.serving.read_body(request), EmbedRequest)
+        body = decode_ollama(await self.serving.read_body(request), EmbedRequest)
         started = time.monotonic()
+        if body.input in ("", []):  # Ollama's way to load an embedding model
+            await self._load(request, body.model, keep_alive_seconds(body.keep_alive))
+            return MsgspecResponse(Embed(body.model, [], nanoseconds(time.monotonic() - started), 0, 0))
         inputs: list[str | list[int]] = [body.input] if isinstance(body.input, str) else list(body.input)
         vectors, tokens = await self.embeddings.vectors(request, body.model, body.keep_alive, inputs,
                                                         body.dimensions)
@@ -312,8 +332,11 @@ class OllamaAPI:
                                      nanoseconds(time.monotonic() - started), 0, tokens))
 
     async def embeddings_v1(self, request: Request) -> Response:
-        """The older /api/embeddings: one prompt, one vector."""
-        body = decode_body(await self.serving.read_body(request), EmbeddingsRequest)
+        """The older /api/embeddings: one prompt, one vector (none for no prompt, which loads the model)."""
+        body = decode_ollama(await self.serving.read_body(request), EmbeddingsRequest)
+        if not body.prompt:
+            await self._load(request, body.model, keep_alive_seconds(body.keep_alive))
+            return MsgspecResponse({"embedding": []})
         vectors, _ = await self.embeddings.vectors(request, body.model, body.keep_alive, [body.prompt], None)
         return MsgspecResponse({"embedding": vectors[0].tolist()})
 
@@ -331,14 +354,14 @@ class OllamaAPI:
             charge = pool.charge(name)
             unloads_in = (pooled.idle_until - time.monotonic()) if pooled is not None and not pooled.users else math.inf
             entry = self._entry(name)
-            entry.expires_at = timestamp(now + unloads_in) if math.isfinite(unloads_in) else "9999-12-31T23:59:59Z"
+            entry.expires_at = timestamp(now + unloads_in) if math.isfinite(unloads_in) else "9999-12-31T23:59:59.999999Z"
             # All of it in the GPU's (unified) memory: `ollama ps` shows "100% GPU" when the two agree.
             entry.size = entry.size_vram = charge.total if charge is not None else entry.size
             loaded.append(entry)
         return MsgspecResponse({"models": loaded})
 
     async def show(self, request: Request) -> Response:
-        body = decode_body(await self.serving.read_body(request), ShowRequest)
+        body = decode_ollama(await self.serving.read_body(request), ShowRequest)
         name = self.serving.served_name(body.model or body.name, self.serving.model_names())
         entry = self._entry(name)
         worker = self.serving.link.worker_of(name)

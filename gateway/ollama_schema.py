@@ -81,7 +81,7 @@ class GenerateRequest(msgspec.Struct):
 
 class EmbedRequest(msgspec.Struct):
     model: Annotated[str, Meta(min_length=1)]
-    input: str | Annotated[list[str], Meta(max_length=MAX_EMBEDDING_INPUTS)]
+    input: str | Annotated[list[str], Meta(max_length=MAX_EMBEDDING_INPUTS)] = ""  # none: load the model
     truncate: bool = True
     dimensions: Annotated[int, Meta(ge=1)] | None = None
     keep_alive: KeepAlive = None
@@ -91,7 +91,7 @@ class EmbeddingsRequest(msgspec.Struct):
     """The older /api/embeddings: one prompt, one vector."""
 
     model: Annotated[str, Meta(min_length=1)]
-    prompt: str
+    prompt: str = ""  # none: load the model
     keep_alive: KeepAlive = None
 
 

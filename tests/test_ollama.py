@@ -5,6 +5,7 @@ and the OpenAI endpoint's; bad input gets Ollama's error shape."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import ollama
@@ -97,6 +98,12 @@ def test_tags_ps_show_and_version(client, server):
     assert running_models[0].size_vram == running_models[0].size > 0 and running_models[0].context_length == 2048
     shown = client.show(MODEL_NAME)
     assert "completion" in shown.capabilities and "<|im_start|>" in shown.template
+    # Go reads a null as a field left out, and times always have their fraction (OllamaKit reads none without).
+    raw = server.http.post("/api/show", json={"model": MODEL_NAME, "name": None, "verbose": None}).json()
+    assert raw["template"] == shown.template
+    times = [m["modified_at"] for m in server.http.get("/api/tags").json()["models"]]
+    times += [m["expires_at"] for m in server.http.get("/api/ps").json()["models"]]
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", t) for t in times), times
     assert shown.modelinfo["llama.context_length"] == 2048
     assert server.http.get("/api/version").json()["version"]
     # Ollama's CLI checks the server with HEAD / before each command; apps look for this text.
@@ -117,6 +124,13 @@ def test_load_and_unload_with_an_empty_request(tiny_model, tmp_path):
         assert client.generate(model=MODEL_NAME, keep_alive=0).done_reason == "unload"
         assert client.ps().models == []
         assert client.chat(model=MODEL_NAME, messages=[]).done_reason == "load"
+        assert client.generate(model=MODEL_NAME, keep_alive=0).done_reason == "unload"
+        # Embedding models are loaded with an empty request of their own endpoints.
+        assert srv.http.post("/api/embed", json={"model": MODEL_NAME, "input": []}).json()["embeddings"] == []
+        assert [m.model for m in client.ps().models] == [MODEL_NAME + ":latest"]
+        client.generate(model=MODEL_NAME, keep_alive=0)
+        assert srv.http.post("/api/embeddings", json={"model": MODEL_NAME, "prompt": None}).json() == {"embedding": []}
+        assert [m.model for m in client.ps().models] == [MODEL_NAME + ":latest"]
         assert client.generate(model=MODEL_NAME, keep_alive=0).done_reason == "unload"
         # A request that loads its model: the load is load_duration, not prompt evaluation.
         answer = client.chat(model=MODEL_NAME, messages=MESSAGES, options=GREEDY)
@@ -152,7 +166,7 @@ def test_a_pinned_model_outlasts_a_clients_unload(tiny_model, tmp_path):
     ("/api/generate", {"model": MODEL_NAME, "prompt": "x", "context": [1, 2]}, 400, "context"),
     ("/api/generate", {"model": MODEL_NAME, "prompt": "x", "options": {"num_predict": 0}}, 400, "num_predict"),
     ("/api/embed", {"model": MODEL_NAME, "input": [""]}, 400, "empty"),
-    ("/api/embed", {"model": MODEL_NAME, "input": []}, 400, "no input"),
+    ("/api/embed", {"model": MODEL_NAME, "input": ["a", ""]}, 400, "empty"),
     ("/api/embed", {"model": MODEL_NAME, "input": ["x"] * 2049}, 400, "input"),
     ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"seed": 2**64}}, 400, "seed"),
     ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"top_k": 2**64}}, 400, "top_k"),

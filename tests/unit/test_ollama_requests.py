@@ -1,0 +1,24 @@
+"""Ollama's request fields as Ollama reads them: a role in any case, a
+thinking level that turns thinking on, a negative seed that is no seed."""
+
+import json
+
+from gateway.ollama_api import chat_input, decode_ollama, sampling, thinking
+from gateway.ollama_schema import ChatRequest, Options
+
+
+def test_a_role_is_read_in_any_case_and_nulls_are_left_out():
+    body = decode_ollama(json.dumps({"model": "m", "messages": [{"role": "User", "content": "hi", "images": None}],
+                                     "options": {"seed": None}}).encode(), ChatRequest)
+    assert [m["role"] for m in chat_input(body.messages, body.think).messages] == ["user"]
+
+
+def test_a_thinking_level_turns_thinking_on():
+    assert thinking("low") == {"reasoning_effort": "low", "enable_thinking": True}
+    assert thinking("max") == {"reasoning_effort": "high", "enable_thinking": True}
+    assert thinking(False) == {"enable_thinking": False} and thinking(None) is None
+
+
+def test_a_negative_seed_is_no_seed():
+    assert sampling(Options(seed=-1))[0].seed is None
+    assert sampling(Options(seed=0))[0].seed == 0 and sampling(Options(seed=7))[0].seed == 7
