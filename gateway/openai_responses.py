@@ -36,6 +36,7 @@ from gateway.openai_responses_schema import (
     InputText,
     InputTokensDetails,
     MessageItem,
+    NamespaceTool,
     OutputItem,
     OutputMessage,
     OutputText,
@@ -201,10 +202,22 @@ def conversation(items: list[Any]) -> tuple[list[dict], list[ImageSource]]:
     return messages, images
 
 
-def function_tools(body: CreateResponse) -> list[dict]:
-    """The function tools, as the body gives them; hosted tools are not offered."""
-    return [msgspec.to_builtins(convert(tool, FunctionTool, f"tools[{i}]"))
-            for i, tool in enumerate(body.tools or []) if tool.get("type") == "function"]
+def function_tools(body: CreateResponse) -> tuple[list[dict], dict[str, str]]:
+    """The function tools, as the body gives them, with those of its namespace
+    tools (Codex's sub-agents come so), and the namespace of each of the
+    latter by its name; hosted tools are not offered."""
+    tools, namespaces = [], {}
+    for i, tool in enumerate(body.tools or []):
+        if tool.get("type") == "function":
+            tools.append(msgspec.to_builtins(convert(tool, FunctionTool, f"tools[{i}]")))
+        elif tool.get("type") == "namespace":
+            namespace = convert(tool, NamespaceTool, f"tools[{i}]")
+            for j, member in enumerate(namespace.tools):
+                if member.get("type") == "function":
+                    function = msgspec.to_builtins(convert(member, FunctionTool, f"tools[{i}].tools[{j}]"))
+                    tools.append(function)
+                    namespaces[function["name"]] = namespace.name
+    return tools, namespaces
 
 
 def responses_plan(body: CreateResponse, previous: StoredResponse | None, offered: list[dict],
@@ -255,7 +268,7 @@ class ResponsesAPI:
             if previous is None:
                 raise APIError(404, f"no stored response {body.previous_response_id!r}", type="not_found_error",
                                param="previous_response_id", code="previous_response_not_found")
-        tools = function_tools(body)
+        tools, namespaces = function_tools(body)
         plan = responses_plan(body, previous, tools, lambda item_id: self.store.item(client_id, item_id))
         assert isinstance(plan.prompt, ChatInput)
         conversation_so_far = (plan.prompt.messages[1:] if body.instructions else plan.prompt.messages,
@@ -267,7 +280,7 @@ class ResponsesAPI:
                 self.store.put(StoredResponse(client_id, response, messages + output_messages, images,
                                               time.monotonic()))
 
-        return await self.serving.respond(request, plan, ResponseOutput(body, tools, keep))
+        return await self.serving.respond(request, plan, ResponseOutput(body, tools, keep, namespaces))
 
     async def retrieve(self, request: Request) -> Response:
         return MsgspecResponse(self._stored(request).response)
@@ -291,10 +304,12 @@ class ResponseOutput:
     media_type = SSE
 
     def __init__(self, body: CreateResponse, tools: list[dict],
-                 keep: Callable[[ResponseObject, list[dict]], None]) -> None:
+                 keep: Callable[[ResponseObject, list[dict]], None], namespaces: dict[str, str]) -> None:
+        """namespaces: the namespace tool of each function that came in one (function_tools)."""
         self.id = _new_id("resp")
         self._body = body
         self._tools = tools
+        self._namespaces = namespaces
         self._keep = keep
         self._created = int(time.time())
         self._sequence = 0
@@ -349,9 +364,11 @@ class ResponseOutput:
                 self._items.append(self._reasoning(value))
             elif value.strip():  # whitespace alone is no message
                 self._items.append(OutputMessage(_new_id("msg"), "completed", [OutputTextPart(value)]))
-        if not any(isinstance(item, OutputMessage | FunctionCallOut) for item in self._items):
-            self._items.append(OutputMessage(_new_id("msg"), "completed", [OutputTextPart(choice.text)]))
         self._finish = choice.finish_reason
+        # Cut short while reasoning: the reasoning is the incomplete item, with no message after it.
+        cut_in_reasoning = self._finish == "length" and bool(self._items) and isinstance(self._items[-1], ReasoningOut)
+        if not cut_in_reasoning and not any(isinstance(item, OutputMessage | FunctionCallOut) for item in self._items):
+            self._items.append(OutputMessage(_new_id("msg"), "completed", [OutputTextPart(choice.text)]))
         if self._finish == "length" and isinstance(self._items[-1], ReasoningOut | OutputMessage):
             self._items[-1].status = "incomplete"  # cut short
         return self._finished(group, None)
@@ -361,9 +378,9 @@ class ResponseOutput:
             return ReasoningOut(_new_id("rs"), [], [SummaryText(text)], status=status)
         return ReasoningOut(_new_id("rs"), [ReasoningText(text)], status=status)
 
-    @staticmethod
-    def _call(call: ToolCall) -> FunctionCallOut:
-        return FunctionCallOut(_new_id("fc"), call.id, call.name, call.arguments)
+    def _call(self, call: ToolCall) -> FunctionCallOut:
+        return FunctionCallOut(_new_id("fc"), call.id, call.name, call.arguments,
+                               namespace=self._namespaces.get(call.name, msgspec.UNSET))
 
     # ---- the event sequence ----
 
@@ -457,7 +474,8 @@ class ResponseOutput:
 
     def ending(self, group: RequestGroup, error: APIError | None) -> list[bytes]:
         out = []
-        if error is None and not self._items and not isinstance(self._open, OutputMessage):
+        cut_in_reasoning = self._finish == "length" and isinstance(self._open, ReasoningOut)
+        if error is None and not self._items and not isinstance(self._open, OutputMessage) and not cut_in_reasoning:
             out += self._open_item(OutputMessage(_new_id("msg"), "in_progress", []))  # an empty answer
         out += self._close_item("incomplete" if error is not None or self._finish == "length" else "completed")
         response = self._finished(group, error)

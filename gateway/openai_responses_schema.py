@@ -96,6 +96,15 @@ class FunctionTool(msgspec.Struct, forbid_unknown_fields=True):
     strict: bool | None = None
 
 
+class NamespaceTool(msgspec.Struct, forbid_unknown_fields=True):
+    """Function (and custom) tools under one name; the functions are offered as any others."""
+
+    type: Literal["namespace"]
+    name: Annotated[str, Meta(min_length=1)]
+    tools: Annotated[list[dict[str, Any]], Meta(min_length=1)]
+    description: str | None = None
+
+
 class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
     type: Literal["function"]
     name: str
@@ -114,7 +123,7 @@ class TextConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ReasoningConfig(msgspec.Struct, forbid_unknown_fields=True):
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     # A summary asked for is the reasoning itself: mlxd has no model to summarize it with.
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
@@ -202,6 +211,7 @@ class FunctionCallOut(msgspec.Struct, tag_field="type", tag="function_call"):
     name: str
     arguments: str
     status: str = "completed"
+    namespace: str | msgspec.UnsetType = msgspec.UNSET  # the namespace tool the function came in
 
 
 OutputItem = ReasoningOut | OutputMessage | FunctionCallOut

@@ -153,6 +153,20 @@ def test_a_function_call_round_trip(tool_server, validate):
     assert resent.usage.input_tokens == second.usage.input_tokens
 
 
+def test_a_namespaces_functions_are_offered_and_their_calls_name_it(tool_server, validate):
+    """Codex offers its sub-agent tools under a namespace tool; a call to one says which namespace it is in."""
+    namespaced = [{"type": "namespace", "name": "forecasts", "description": "Weather services",
+                   "tools": [TOOLS[0]]}, TOOLS[1]]
+    body = {"model": "scripted", "input": "Weather in Paris?", "tools": namespaced, "temperature": 0}
+    response = tool_server.http.post("/v1/responses", json=body, headers={"Authorization": f"Bearer {KEYS[0]}"})
+    validate(response.json(), "Response")
+    calls = [item for item in response.json()["output"] if item["type"] == "function_call"]
+    assert [(c["namespace"], c["name"]) for c in calls] == [("forecasts", CALL["name"])]
+    plain = tool_server.http.post("/v1/responses", json=dict(body, tools=TOOLS),
+                                  headers={"Authorization": f"Bearer {KEYS[0]}"}).json()
+    assert ["namespace" in item for item in plain["output"] if item["type"] == "function_call"] == [False]
+
+
 def test_a_stored_response_is_only_visible_to_the_key_that_stored_it(tool_server):
     a, b = (openai.OpenAI(base_url=tool_server.url + "/v1", api_key=key, max_retries=0) for key in KEYS)
     mine = a.responses.create(model="scripted", input="Hello", max_output_tokens=2)
@@ -215,3 +229,18 @@ def test_reasoning_comes_back_as_a_reasoning_item(reasoning_server, validate, su
     added = next(e["item"] for e in events if e["type"] == "response.output_item.added")
     assert added["summary"] == []  # its part comes with reasoning_summary_part.added, once
     assert events[-1]["response"]["output"][0] == dict(reasoning, id=events[-1]["response"]["output"][0]["id"])
+
+
+def test_reasoning_cut_short_is_the_incomplete_item(reasoning_server, validate):
+    """Out of tokens while thinking: the reasoning is incomplete, and no message is made up after it."""
+    body = {"model": "scripted", "input": "What is the capital of France?", "temperature": 0,
+            "reasoning": {"effort": "max"}, "max_output_tokens": 2}
+    response = reasoning_server.http.post("/v1/responses", json=body).json()
+    validate(response, "Response")
+    assert response["status"] == "incomplete"
+    assert [(item["type"], item["status"]) for item in response["output"]] == [("reasoning", "incomplete")]
+    with reasoning_server.http.stream("POST", "/v1/responses", json=dict(body, stream=True)) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.incomplete"
+    assert [(item["type"], item["status"]) for item in final["output"]] == [("reasoning", "incomplete")]
