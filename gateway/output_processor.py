@@ -248,6 +248,8 @@ class OutputProcessor:
 
 # What a group's deadline puts in its queue (never merged: it has a finish reason).
 _TIMED_OUT = Delta("", -1, finish_reason="timeout")
+# What a group's keep-alive timer puts in its queue, and its reader passes on as it is.
+KEEPALIVE = Delta("", -1)
 
 
 def _plain(delta: Delta) -> bool:
@@ -299,18 +301,30 @@ class RequestGroup:
         self.queue.put_nowait(_TIMED_OUT)
         self.stop()
 
-    async def deltas(self, deadline: float | None = None) -> AsyncIterator[Delta]:
+    async def deltas(self, deadline: float | None = None, keepalive_s: float | None = None) -> AsyncIterator[Delta]:
         """Every Delta of every request until each has its final one.
 
         Text that piled up while the client was slower than the worker comes
         as one Delta: one event instead of many, less work per token just
         when the gateway is behind. Raises TimeoutError at `deadline`
-        (event-loop time) if not finished.
+        (event-loop time) if not finished. With `keepalive_s`, KEEPALIVE
+        comes every so many seconds too, for a stream to show its client
+        that it lives through a long prefill or hidden reasoning.
         """
         # One timer for the whole request rather than a timeout around every
         # wait: entering asyncio.timeout for each token was 6-8% of the
         # gateway's CPU at 32 streams (docs/benchmarks.md, issue 18).
-        timer = asyncio.get_running_loop().call_at(deadline, self._time_out) if deadline is not None else None
+        loop = asyncio.get_running_loop()
+        timer = loop.call_at(deadline, self._time_out) if deadline is not None else None
+        pinger: asyncio.TimerHandle | None = None
+
+        def keep_alive() -> None:
+            nonlocal pinger
+            self.queue.put_nowait(KEEPALIVE)
+            pinger = loop.call_later(keepalive_s, keep_alive)
+
+        if keepalive_s is not None:
+            pinger = loop.call_later(keepalive_s, keep_alive)
         backlog: deque[Delta] = deque()
         open_choices = set(range(len(self.states)))
         try:
@@ -318,6 +332,9 @@ class RequestGroup:
                 delta = backlog.popleft() if backlog else await self.queue.get()
                 if delta is _TIMED_OUT:
                     raise TimeoutError
+                if delta is KEEPALIVE:
+                    yield delta
+                    continue
                 while _plain(delta) and not self.queue.empty():
                     waiting = self.queue.get_nowait()
                     # Reasoning after text stays apart: merged, it would read as coming first.
@@ -333,5 +350,6 @@ class RequestGroup:
                     open_choices.discard(delta.index)
                 yield delta
         finally:
-            if timer is not None:
-                timer.cancel()
+            for handle in (timer, pinger):
+                if handle is not None:
+                    handle.cancel()

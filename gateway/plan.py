@@ -112,6 +112,7 @@ class Plan:
     json_schema: dict | None = None  # ... following this schema, when there is one
     messages_param: str = "messages"  # the body's name for the conversation, for errors
     keep_alive_s: float | None = None  # how long the model stays loaded once idle (None: --keep-alive)
+    stream_keepalive_s: float | None = None  # a stream's KEEPALIVE every so often (None: none)
 
     @property
     def prompt_param(self) -> str:

@@ -370,7 +370,7 @@ class Serving:
                 raise unavailable(str(e)) from None
             for state in group.states:
                 yield Delta("", state.index)
-            async for delta in group.deltas(deadline):
+            async for delta in group.deltas(deadline, plan.stream_keepalive_s if plan.stream else None):
                 if delta.text or delta.reasoning or delta.tool_calls:
                     now = time.monotonic()
                     if delta.index in last:

@@ -3,7 +3,7 @@
 import json
 
 from gateway.anthropic_api import MessageOutput
-from gateway.output_processor import Delta
+from gateway.output_processor import KEEPALIVE, Delta
 from gateway.parsing import ToolCall
 
 
@@ -39,3 +39,12 @@ def test_tool_arguments_that_are_not_an_object_stream_as_an_empty_one():
         stream = events(Delta("", tool_calls=[ToolCall("f", arguments)], finish_reason="tool_calls"))
         pieces = "".join(e["delta"]["partial_json"] for e in stream if e["type"] == "content_block_delta")
         assert json.loads(pieces) == expected
+
+
+def test_a_keepalive_is_a_ping_wherever_it_comes():
+    out = MessageOutput("tiny")
+    first = out.delta(Delta("Hello"))
+    ping = out.delta(KEEPALIVE)
+    assert ping == [b'event: ping\ndata: {"type":"ping"}\n\n'] and out.delta(Delta(" there"))[0].startswith(
+        b"event: content_block_delta")
+    assert first[0].startswith(b"event: content_block_start")

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from gateway.output_processor import Delta, OutputProcessor, RequestGroup, RequestState, RequestStatus
+from gateway.output_processor import KEEPALIVE, Delta, OutputProcessor, RequestGroup, RequestState, RequestStatus
 from gateway.tokenizer import Tokenizer
 from protocol import RequestOutput, Sampling, StepOutput
 
@@ -212,3 +212,20 @@ def test_a_request_that_cannot_be_rendered_costs_no_other_its_output(tokenizer):
     (error,) = drained(broken)
     assert error.finish_reason == "error" and error.error_status == 500
     assert processor.get("broken") is None and processor.get("fine") is fine
+
+
+def test_keepalives_come_through_a_silence_and_stop_with_the_group(tokenizer):
+    group = group_of(tokenizer, 1)
+
+    async def silent_then_done() -> list[Delta]:
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.23, group.queue.put_nowait, Delta("hi", 0))
+        loop.call_later(0.25, group.queue.put_nowait, Delta("", 0, finish_reason="stop"))
+        deltas = [d async for d in group.deltas(None, keepalive_s=0.1)]
+        await asyncio.sleep(0.15)  # the timer is gone with the reader
+        assert group.queue.empty()
+        return deltas
+
+    deltas = asyncio.run(silent_then_done())
+    assert [d is KEEPALIVE for d in deltas] == [True, True, False, False]
+    assert [d.text for d in deltas[2:]] == ["hi", ""] and KEEPALIVE.text == ""
