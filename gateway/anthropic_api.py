@@ -55,7 +55,6 @@ from gateway.plan import (
 from gateway.responses import SSE, MsgspecResponse, sse_event
 from gateway.serving import Choice, Serving
 
-
 # Anthropic's streams send a ping now and then: through a long prefill or
 # hidden (omitted) thinking, clients that give up on a silent stream (Claude
 # Code, after minutes) see it live.
