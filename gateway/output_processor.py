@@ -318,13 +318,13 @@ class RequestGroup:
         timer = loop.call_at(deadline, self._time_out) if deadline is not None else None
         pinger: asyncio.TimerHandle | None = None
 
-        def keep_alive() -> None:
+        def keep_alive(every_s: float) -> None:
             nonlocal pinger
             self.queue.put_nowait(KEEPALIVE)
-            pinger = loop.call_later(keepalive_s, keep_alive)
+            pinger = loop.call_later(every_s, keep_alive, every_s)
 
         if keepalive_s is not None:
-            pinger = loop.call_later(keepalive_s, keep_alive)
+            pinger = loop.call_later(keepalive_s, keep_alive, keepalive_s)
         backlog: deque[Delta] = deque()
         open_choices = set(range(len(self.states)))
         try:
