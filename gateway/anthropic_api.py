@@ -25,6 +25,7 @@ from gateway.anthropic_schema import (
     SearchResultBlock,
     TextBlock,
     TextOut,
+    ThinkingBlock,
     ThinkingDisabled,
     ThinkingOut,
     ToolChoiceAny,
@@ -78,8 +79,9 @@ def chat_input(body: Conversation) -> ChatInput:
     """Anthropic messages as the chat template's messages, and their image
     blocks, in order. Consecutive messages of one role are one turn, as
     Anthropic joins them (templates that insist on alternating roles refuse
-    them apart). Earlier thinking is not replayed into the prompt, as chat
-    templates do not replay it."""
+    them apart). Earlier thinking goes to the template as the turn's
+    `reasoning_content`, for templates that replay it (Qwen 3's, after the
+    last user message: an agent's tool loop)."""
     messages = []
     images = []
     if body.system:
@@ -96,6 +98,7 @@ def chat_input(body: Conversation) -> ChatInput:
     for role, placed in turns:
         parts: list[dict] = []
         tool_calls = []
+        thinking = []
         for param, block in placed:
             if isinstance(block, TextBlock):
                 parts.append({"type": "text", "text": block.text})
@@ -110,8 +113,11 @@ def chat_input(body: Conversation) -> ChatInput:
                 tool_calls.append(template_tool_call(block.id, block.name, block.input))
             elif isinstance(block, ToolResultBlock):
                 messages.append(template_message("tool", block.text(), tool_call_id=block.tool_use_id))
+            elif isinstance(block, ThinkingBlock):
+                thinking.append(block.thinking)
         if parts or tool_calls:
-            messages.append(template_message(role, parts, tool_calls))
+            extra = {"reasoning_content": "".join(thinking)} if thinking and role == "assistant" else {}
+            messages.append(template_message(role, parts, tool_calls, **extra))
     # A conversation that ends with the assistant's text is a prefill: the answer goes on from it.
     prefill = (body.messages[-1].role == "assistant" and bool(messages) and messages[-1]["role"] == "assistant"
                and "tool_calls" not in messages[-1])

@@ -243,8 +243,8 @@ class Conversation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cache_control: CacheControl | None = None
     # Extension (Ollama's): how long the model stays loaded once idle.
     keep_alive: KeepAlive = None
-    # Earlier thinking is never rendered into the prompt, so a clear_thinking
-    # edit is what mlxd always does; other edits are ignored.
+    # Its edits are not applied: earlier thinking goes to the chat template,
+    # which renders it only where the model expects it.
     context_management: dict[str, Any] | None = None
     # Ignored: Anthropic's own services (containers, MCP servers, regions,
     # tiers, fallbacks, beta flags, accounts).

@@ -3,8 +3,9 @@
 Images come inline (OpenAI `data:` URLs, Anthropic base64 sources) or, only
 for hosts named by --allow-image-hosts, from http(s) URLs the gateway fetches
 itself, with a size and a time limit and no redirects. Local files are never
-read. Only PNG, JPEG and WebP are decoded, and an image's dimensions are
-checked from its header before its pixels are.
+read. Only PNG, JPEG, WebP, GIF and AVIF are decoded (an animation's first
+frame), and an image's dimensions are checked from its header before its
+pixels are.
 """
 
 from __future__ import annotations
@@ -26,8 +27,13 @@ from PIL import Image, ImageOps
 from gateway.errors import APIError
 from gateway.settings import GatewaySettings
 
-FORMATS = ("PNG", "JPEG", "WEBP")
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "AVIF")
+# Wider than this (either way) is refused: processors that scale the shorter
+# side up to their size (CLIP's, LLaVA's) would make a 100000x1 image of a few
+# hundred bytes an array of a hundred gigabytes. Qwen's processors refuse 200:1.
+MAX_ASPECT_RATIO = 200
 _DATA_URL = re.compile(r"data:[^,]*;base64,(?P<data>.*)", re.S)  # the media type is not trusted: decoding decides
+_WHITESPACE = re.compile(r"\s+")
 
 
 @dataclass
@@ -89,7 +95,8 @@ class ImageLoader:
             raise APIError(413, f"an image is larger than this server's limit of {limit} bytes", param=param,
                            code="image_too_large")
         try:
-            raw = base64.b64decode(data, validate=True)
+            # Line breaks are what `base64` and MIME encoders write every 76 characters.
+            raw = base64.b64decode(_WHITESPACE.sub("", data), validate=True)
         except (binascii.Error, ValueError):
             raise APIError(400, "the image is not valid base64", param=param, code="invalid_image") from None
         if len(raw) > limit:
@@ -149,17 +156,25 @@ class ImageLoader:
             raise APIError(413, f"the image has more than this server's limit of {limit} pixels", param=param,
                            code="image_too_large") from None
         except (OSError, SyntaxError, ValueError):
-            raise APIError(400, "the image is not a readable PNG, JPEG or WebP image", param=param,
+            raise APIError(400, "the image is not a readable PNG, JPEG, WebP, GIF or AVIF image", param=param,
                            code="invalid_image") from None
         width, height = image.size
         if width * height > limit:
             raise APIError(413, f"the image is {width}x{height} pixels; this server takes at most {limit} pixels "
                                 "per image", param=param, code="image_too_large")
+        if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+            raise APIError(400, f"the image is {width}x{height} pixels; this server takes images at most "
+                                f"{MAX_ASPECT_RATIO} times as wide as high, or as high as wide", param=param,
+                           code="invalid_image")
         try:
             image.load()
-            return _rgb(ImageOps.exif_transpose(image))  # a phone's photo, upright as its EXIF says
         except (OSError, SyntaxError, ValueError):
             raise APIError(400, "the image is corrupt or truncated", param=param, code="invalid_image") from None
+        try:
+            upright = ImageOps.exif_transpose(image)  # a phone's photo, upright as its EXIF says
+        except Exception:  # EXIF that Pillow cannot rewrite (a tag of a wrong type): the image as it is
+            upright = image
+        return _rgb(upright)
 
 
 def _rgb(image: Image.Image) -> Image.Image:

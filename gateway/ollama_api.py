@@ -58,7 +58,7 @@ from gateway.plan import (
     tool_definitions,
 )
 from gateway.responses import NDJSON, MsgspecResponse
-from gateway.security import check_keep_alive
+from gateway.security import keep_alive_for
 from gateway.serving import OLLAMA_DEFAULT_TAG, Choice, Serving
 
 # The Ollama release whose API this follows: clients check it before using newer features.
@@ -303,7 +303,7 @@ class OllamaAPI:
         serving = self.serving
         keep_alive_s = keep_alive_seconds(keep_alive)
         if keep_alive_s == 0:
-            check_keep_alive(request, keep_alive_s)
+            keep_alive_for(request, keep_alive_s)  # a 403 for an API key where admin keys are set
             name = serving.served_name(model, serving.model_names())
             pooled = serving.pool.find(name)
             if pooled is not None and not pooled.pinned:  # an operator's pin outlasts a client's unload

@@ -97,7 +97,8 @@ def chat_input(body: ChatCompletionRequest) -> ChatInput:
         calls = [template_tool_call(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
         if m.function_call is not None and not calls:
             calls = [template_tool_call(f"call_{i}", m.function_call.name, m.function_call.arguments)]
-        extra = {key: value for key, value in (("tool_call_id", m.tool_call_id), ("name", m.name)) if value is not None}
+        extra = {key: value for key, value in (("tool_call_id", m.tool_call_id), ("name", m.name),
+                                               ("reasoning_content", m.reasoning_content)) if value}
         if m.role == "function":  # answers the deprecated function_call, which has no id
             extra.setdefault("tool_call_id", _answered_call_id(body.messages, i))
         role = {"developer": "system", "function": "tool"}.get(m.role, m.role)

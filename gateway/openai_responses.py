@@ -42,6 +42,7 @@ from gateway.openai_responses_schema import (
     OutputText,
     OutputTextPart,
     OutputTokensDetails,
+    ReasoningItemIn,
     ReasoningOut,
     ReasoningText,
     ResponseError,
@@ -174,11 +175,16 @@ def input_items(body: CreateResponse, stored_item: Callable[[str], dict | None])
 
 def conversation(items: list[Any]) -> tuple[list[dict], list[ImageSource]]:
     """Input items as chat template messages: a function call joins the
-    assistant message before it; earlier reasoning is not replayed."""
+    assistant message before it; a reasoning item goes to the assistant
+    message after it as its `reasoning_content`, for templates that replay
+    it (Qwen 3's, after the last user message: an agent's tool loop)."""
     messages: list[dict] = []
     images: list[ImageSource] = []
+    reasoning = ""  # of the reasoning items since the last assistant message
     for i, item in enumerate(items):
-        if isinstance(item, MessageItem):
+        if isinstance(item, ReasoningItemIn):
+            reasoning += item.text()
+        elif isinstance(item, MessageItem):
             content = [InputText(item.content)] if isinstance(item.content, str) else item.content
             parts: list[dict] = []
             for j, part in enumerate(content):
@@ -190,13 +196,18 @@ def conversation(items: list[Any]) -> tuple[list[dict], list[ImageSource]]:
                                        param=f"input[{i}].content[{j}].image_url")
                     images.append(ImageSource(f"input[{i}].content[{j}].image_url", url=part.image_url))
                     parts.append({"type": "image"})
-            messages.append(template_message("system" if item.role == "developer" else item.role, parts))
+            role = "system" if item.role == "developer" else item.role
+            extra = {"reasoning_content": reasoning} if reasoning and role == "assistant" else {}
+            messages.append(template_message(role, parts, None, **extra))
+            reasoning = "" if role == "assistant" else reasoning
         elif isinstance(item, FunctionCallItem):
             call = template_tool_call(item.call_id, item.name, item.arguments)
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
-                messages.append(template_message("assistant", [], [call]))
+                messages.append(template_message("assistant", [], [call],
+                                                 **({"reasoning_content": reasoning} if reasoning else {})))
+            reasoning = ""
         elif isinstance(item, FunctionCallOutputItem):
             messages.append(template_message("tool", item.text(), tool_call_id=item.call_id))
     return messages, images
@@ -353,7 +364,9 @@ class ResponseOutput:
         text = "".join(p.text for item in self._items if isinstance(item, OutputMessage) for p in item.content)
         calls = [template_tool_call(c.call_id, c.name, c.arguments) for c in self._items
                  if isinstance(c, FunctionCallOut)]
-        return [template_message("assistant", [{"type": "text", "text": text}], calls)]
+        reasoning = "".join(item.part.text for item in self._items if isinstance(item, ReasoningOut))
+        return [template_message("assistant", [{"type": "text", "text": text}], calls,
+                                 **({"reasoning_content": reasoning} if reasoning else {}))]
 
     def body(self, choices: list[Choice], group: RequestGroup) -> ResponseObject:
         (choice,) = choices

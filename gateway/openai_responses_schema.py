@@ -73,7 +73,7 @@ class FunctionCallOutputItem(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ReasoningItemIn(msgspec.Struct, forbid_unknown_fields=True):
-    """Earlier reasoning passed back: not replayed into the prompt, as chat templates do not."""
+    """Earlier reasoning passed back: the text of its content (else of its summary) goes to the template."""
 
     type: Literal["reasoning"]
     summary: list[Any]
@@ -81,6 +81,10 @@ class ReasoningItemIn(msgspec.Struct, forbid_unknown_fields=True):
     content: list[Any] | None = None
     encrypted_content: str | None = None
     status: str | None = None
+
+    def text(self) -> str:
+        return "".join(part["text"] for part in self.content or self.summary
+                       if isinstance(part, dict) and isinstance(part.get("text"), str))
 
 
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItemIn

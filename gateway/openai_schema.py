@@ -70,10 +70,11 @@ class ChatMessage(msgspec.Struct):
     tool_call_id: str | None = None
     # The deprecated single call of an assistant message: rendered as a tool call.
     function_call: FunctionCall | None = None
-    # Sent back with the assistant messages the API returns (the SDKs' usual
-    # multi-turn pattern); not rendered into the prompt. Earlier reasoning is
-    # not replayed either, as chat templates do.
+    # Earlier reasoning, as the API returned it: the template's to render
+    # (Qwen 3's does for the turns after the last user message, its tool loop).
     reasoning_content: str | None = None
+    # Sent back with the assistant messages the API returns (the SDKs' usual
+    # multi-turn pattern); not rendered into the prompt.
     refusal: str | None = None
     annotations: list[dict[str, Any]] | None = None
     audio: AudioRef | None = None

@@ -37,7 +37,7 @@ from gateway.parsing import ToolCall, stream_parsers
 from gateway.plan import ChatInput, DocumentStart, Plan
 from gateway.pool import RETRY_AFTER_S, Lease, ModelPool, Unavailable
 from gateway.responses import EventStream, MsgspecResponse
-from gateway.security import check_keep_alive
+from gateway.security import keep_alive_for
 from gateway.settings import GatewaySettings
 from gateway.structured import FAMILY_OF_PARSER
 from gateway.tokenizer import Prompt, PromptError
@@ -207,7 +207,7 @@ class Serving:
         model could not load (retry_failed: try again at once); 403 for a
         `keep_alive` the client's `request` may not set. The caller releases the lease."""
         if request is not None:
-            check_keep_alive(request, keep_alive_s)
+            keep_alive_s = keep_alive_for(request, keep_alive_s)
         if self.draining:
             raise unavailable("the server is shutting down")
         names = self.model_names()

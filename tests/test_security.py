@@ -176,6 +176,22 @@ def test_limits(tiny_model, tmp_path):
             sock.settimeout(5)
             assert sock.recv(100).startswith(b"HTTP/1.1 408")
 
+        # A body that never ends after its answer (the app never read it): closed at twice the body timeout.
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nContent-Length: 1000000000000\r\n\r\n")
+            sock.settimeout(5)
+            assert sock.recv(100).startswith(b"HTTP/1.1 200")
+            started = time.monotonic()
+            sock.sendall(b"x")
+            while sock.recv(65536):
+                pass
+            assert time.monotonic() - started < 3
+        # Headers past 64 KiB: a 431, not a request line copied as it grows on the event loop.
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Padding: " + b"a" * 70_000)
+            sock.settimeout(5)
+            assert sock.recv(100).startswith(b"HTTP/1.1 431")
+
         # A body still on its way is in flight too: slow bodies cannot pile up past the limits.
         with socket.create_connection(("127.0.0.1", server.port)) as sock:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
@@ -390,6 +406,10 @@ def test_with_admin_keys_no_api_key_unloads_or_pins_through_keep_alive(tiny_mode
         # Past the server's own --keep-alive (5m) is as good as for good.
         assert_error(server.http.post("/v1/completions", json=dict(forever, keep_alive="100000h"), headers=user),
                      403, "admin_key_required")
+        # A millisecond would unload it as soon as 0 does: it is kept for the server's keep-alive instead.
+        assert server.http.post("/api/generate", json=dict(forever, keep_alive="1ms"), headers=user).status_code == 200
+        time.sleep(0.6)  # past the pool's idle check (every 0.25 s)
+        assert [m["name"] for m in server.http.get("/api/ps", headers=user).json()["models"]] == [MODEL_NAME + ":latest"]
         assert server.http.post(f"/admin/models/{MODEL_NAME}/unload", headers=admin).status_code == 200
     finally:
         server.stop()

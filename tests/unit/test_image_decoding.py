@@ -1,7 +1,9 @@
 """Images as the processors get them: upright, 8-bit RGB, transparency on white."""
 
+import base64
 import contextlib
 import io
+import struct
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -33,6 +35,33 @@ def test_a_photo_is_turned_as_its_exif_says():
     exif = Image.Exif()
     exif[0x0112] = 6  # Orientation: rotate 90° to view
     assert decoded(Image.new("RGB", (20, 10)), "JPEG", exif=exif).size == (10, 20)
+
+
+def test_exif_that_cannot_be_rewritten_leaves_the_image_as_it_is():
+    """A tag of the wrong type (ResolutionUnit as text) beside the orientation: Pillow fails to rewrite
+    the EXIF while turning the image; the image is taken unturned, not a 500."""
+    entries = struct.pack("<HHIHH", 0x0112, 3, 1, 6, 0) + struct.pack("<HHI", 0x0128, 2, 4) + b"abc\0"
+    raw = b"Exif\0\0II*\0" + struct.pack("<IH", 8, 2) + entries + struct.pack("<I", 0)
+    assert decoded(Image.new("RGB", (20, 10)), "JPEG", exif=raw).size == (20, 10)
+
+
+def test_gif_avif_and_base64_as_encoders_wrap_it():
+    frames = [Image.new("RGB", (8, 8), colour) for colour in ((255, 0, 0), (0, 0, 255))]
+    gif = decoded(frames[0], "GIF", save_all=True, append_images=frames[1:])
+    assert gif.mode == "RGB" and gif.getpixel((0, 0)) == (255, 0, 0)  # an animation's first frame
+    assert decoded(frames[1], "AVIF").size == (8, 8)
+    out = io.BytesIO()
+    frames[0].save(out, "PNG")
+    wrapped = base64.encodebytes(out.getvalue()).decode()  # a line break every 76 characters
+    assert "\n" in wrapped and ImageLoader(GatewaySettings())._base64(wrapped, "image") == out.getvalue()
+
+
+def test_an_image_too_thin_for_its_processor_is_refused():
+    """CLIP's processor scales the short side up: 100000x1 would be an array of a hundred gigabytes."""
+    with pytest.raises(APIError, match="200 times") as refused:
+        decoded(Image.new("RGB", (1001, 5)))
+    assert refused.value.status == 400
+    assert decoded(Image.new("RGB", (1000, 5))).size == (1000, 5)
 
 
 def test_sixteen_bit_greys_are_scaled_not_clipped():
