@@ -136,7 +136,9 @@ class Serving:
     async def read_body(self, request: Request) -> bytes:
         """The body, within --max-body-bytes (413) and --body-timeout-s (408)."""
         limit = self.settings.max_body_bytes
-        too_large = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        too_large = APIError(413, f"the request body is larger than this server's limit of {limit} bytes (inline "
+                                  "images count as their base64, a third larger than their files)",
+                             code="request_too_large")
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
             raise too_large
