@@ -83,7 +83,11 @@ class ImageLoader:
                 raise APIError(400, "a data: URL for an image must be base64 (data:image/png;base64,...)",
                                param=source.param, code="invalid_image_url")
             return self._base64(match["data"], source.param)
-        scheme = urlsplit(url).scheme.lower()
+        try:
+            scheme = urlsplit(url).scheme.lower()
+        except ValueError:  # a bracketed host that is no IPv6 address
+            raise APIError(400, "the image URL is not a valid URL", param=source.param,
+                           code="invalid_image_url") from None
         if scheme in ("http", "https"):
             return await self._fetch(url, source.param)
         raise APIError(400, "an image must be inline (a data: URL or base64) or an http(s) URL of an allowed "

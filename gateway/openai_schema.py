@@ -177,9 +177,16 @@ class ChatCompletionRequest(GenerationRequest):
     # The chat template's reasoning switches (as Responses' reasoning.effort);
     # chat_template_kwargs, where both set one, win.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
-    # Hints for OpenAI's own cache routing and abuse tracking: taken, not used.
+    # Hints for OpenAI's own services (cache routing, abuse tracking, stored
+    # completions, tiers) and a verbosity only OpenAI's models know: taken, not
+    # used; clients send them when asked to (Vercel's AI SDK: `textVerbosity`).
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class CompletionRequest(GenerationRequest):

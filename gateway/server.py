@@ -75,23 +75,23 @@ def request_deadlines(timeout_s: float) -> type[HttpToolsProtocol]:
 
     class RequestDeadlines(HttpToolsProtocol):
         _deadline: asyncio.TimerHandle | None = None
-        _header_bytes: int | None = 0  # received since the request began; None once its headers are whole
+        _header_bytes: int | None = None  # received since a request began, until its headers are whole
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm(timeout_s)
 
         def data_received(self, data: bytes) -> None:
-            if self._header_bytes is not None:
+            super().data_received(data)
+            if self._header_bytes is not None:  # the headers are not whole yet, after this data too
                 self._header_bytes += len(data)
-                if self._header_bytes > MAX_HEADER_BYTES:
+                if self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
                     self.transport.write(_TOO_LARGE)
                     self.transport.close()
-                    return
-            super().data_received(data)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            self._header_bytes = 0  # what came in the data that began it counts too
             self._arm(timeout_s)
 
         def on_headers_complete(self) -> None:
@@ -102,7 +102,6 @@ def request_deadlines(timeout_s: float) -> type[HttpToolsProtocol]:
 
         def on_message_complete(self) -> None:
             self._disarm()
-            self._header_bytes = 0
             super().on_message_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:

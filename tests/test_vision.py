@@ -255,6 +255,7 @@ def test_images_one_pixel_apart_never_share_cached_state(client, vision_referenc
         ("http://example.com/cat.png", 400, "not allowed"),
         ("https://10.0.0.1/cat.png", 400, "not allowed"),
         ("file:///etc/passwd", 400, "never reads local files"),
+        ("http://[bad/cat.png", 400, "not a valid URL"),
         ("/etc/passwd", 400, "never reads local files"),
         ("cat.png", 400, "never reads local files"),
         ("data:image/png;base64,!!!not base64!!!", 400, "base64"),
@@ -264,7 +265,7 @@ def test_images_one_pixel_apart_never_share_cached_state(client, vision_referenc
         (data_url(image(0, (300, 300))), 413, "pixels"),  # 90,000 > --max-image-pixels 40000
         ("data:image/png;base64," + base64.b64encode(b"\0" * 400_000).decode(), 413, "larger"),
     ],
-    ids=["http-not-allowed", "https-not-allowed", "file-url", "absolute-path", "bare-path", "bad-base64",
+    ids=["http-not-allowed", "https-not-allowed", "file-url", "bad-url", "absolute-path", "bare-path", "bad-base64",
          "not-an-image", "truncated", "bmp", "too-many-pixels", "too-many-bytes"],
 )
 def test_bad_images_get_a_clear_4xx(vision_server, url, status, words):

@@ -29,8 +29,15 @@ def test_a_message_keeps_what_clients_carry_along_without_a_400():
     assert plan.prompt.messages[1]["tool_calls"][0]["function"] == {"name": "weather", "arguments": {"city": "Paris"}}
     assert plan.prompt.messages[2]["content"] == [{"type": "text", "text": "18C"}]
     with pytest.raises(APIError) as e:  # a parameter of the request itself is still named
-        chat(verbosity="low")
-    assert e.value.status == 400 and e.value.param == "verbosity"
+        chat(temperature_schedule="low")
+    assert e.value.status == 400 and e.value.param == "temperature_schedule"
+
+
+def test_openais_service_hints_are_taken_and_not_used():
+    """Clients send them when asked to (Vercel's AI SDK: textVerbosity; LangChain: store, metadata)."""
+    plan = chat(verbosity="low", store=False, metadata={"run": "1"}, prompt_cache_retention="24h",
+                service_tier="auto")
+    assert plan.prompt.messages == [{"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]}]
 
 
 @pytest.mark.parametrize(("effort", "kwargs"), [
