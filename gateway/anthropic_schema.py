@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from gateway.images import IMAGE_LEFT_OUT
 from gateway.openai_schema import MAX_INT, KeepAlive, StopStrings
 
 # What the current SDK (anthropic 2.12, beta types included) defines is
@@ -115,11 +116,12 @@ class ToolResultBlock(msgspec.Struct, tag_field="type", tag="tool_result", forbi
     keep_alive: KeepAlive = None
 
     def text(self) -> str:
-        """The result's text (its images are not passed to the model), said
-        to be an error when the tool failed: the template has no other way."""
+        """The result's text (an image in it is named as left out: chat templates
+        take no images in a tool's result), said to be an error when the tool
+        failed: the template has no other way."""
         if isinstance(self.content, list):
-            text = "\n".join(block.text if isinstance(block, TextBlock) else block.text()
-                             for block in self.content if not isinstance(block, ImageBlock))
+            text = "\n".join(block.text if isinstance(block, TextBlock) else IMAGE_LEFT_OUT
+                             if isinstance(block, ImageBlock) else block.text() for block in self.content)
         else:
             text = self.content or ""
         return f"Error: {text}" if self.is_error else text

@@ -34,6 +34,8 @@ FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "AVIF")
 MAX_ASPECT_RATIO = 200
 _DATA_URL = re.compile(r"data:[^,]*;base64,(?P<data>.*)", re.S)  # the media type is not trusted: decoding decides
 _WHITESPACE = re.compile(r"\s+")
+# In place of an image in a tool's result, whose image chat templates do not take.
+IMAGE_LEFT_OUT = "[an image, left out: this server passes no images in a tool's result to the model]"
 
 
 @dataclass

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from gateway.images import IMAGE_LEFT_OUT
 from gateway.openai_schema import MAX_INT, KeepAlive, ResponseFormatJSONObject, ResponseFormatText
 
 # ---- requests ---------------------------------------------------------------
@@ -67,9 +68,10 @@ class FunctionCallOutputItem(msgspec.Struct, forbid_unknown_fields=True):
     status: str | None = None
 
     def text(self) -> str:
+        """The output's text, an image in it named as left out (chat templates take no images in a tool's result)."""
         if isinstance(self.output, str):
             return self.output
-        return "".join(part.text for part in self.output if isinstance(part, InputText))
+        return "".join(part.text if isinstance(part, InputText) else IMAGE_LEFT_OUT for part in self.output)
 
 
 class ReasoningItemIn(msgspec.Struct, forbid_unknown_fields=True):

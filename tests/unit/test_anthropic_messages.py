@@ -6,6 +6,7 @@ import msgspec
 
 from gateway.anthropic_api import chat_input, shows_thinking
 from gateway.anthropic_schema import MessagesRequest
+from gateway.images import IMAGE_LEFT_OUT
 
 
 def request(**fields) -> MessagesRequest:
@@ -41,3 +42,14 @@ def test_thinking_is_off_unless_asked_for_and_shown_only_then():
     effort = request(output_config={"effort": "high"})  # an effort alone decides, as before
     assert chat_input(effort).template_kwargs == {"reasoning_effort": "high", "enable_thinking": True}
     assert shows_thinking(effort)
+
+
+def test_an_image_in_a_tool_result_is_named_as_left_out():
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    body = request(messages=[
+        {"role": "user", "content": "Look at it."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "read", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": [{"type": "text", "text": "a.png:"}, image]}]}])
+    (result,) = [m for m in chat_input(body).messages if m["role"] == "tool"]
+    assert result["content"] == "a.png:\n" + IMAGE_LEFT_OUT
