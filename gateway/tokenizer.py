@@ -67,13 +67,15 @@ class Prompt:
     images_key: int = 0  # protocol.codec.images_key of the arrays
 
 
+def _text_of(content: str | list[dict]) -> str:
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+
+
 def _template_content(content: str | list[dict], vision: bool) -> str | list[dict]:
     """A message's content (text, or a list of text and image parts) as the
     chat template takes it: vision models' templates take the parts, text
     models' a string."""
-    if isinstance(content, str) or vision:
-        return content
-    return "".join(p["text"] for p in content if p["type"] == "text")
+    return content if vision else _text_of(content)
 
 
 def _system_first(messages: list[dict]) -> list[dict]:
@@ -227,6 +229,9 @@ class Tokenizer:
         # with the first images: the model would be shown another image than asked.
         placeholder = getattr(self.processor, "boi_token", None) or getattr(self.processor, "image_token", None)
         if isinstance(placeholder, str) and placeholder and (placed := text.count(placeholder)) != len(images):
+            if written := sum(_text_of(m["content"]).count(placeholder) for m in messages):
+                raise PromptError(f"the messages' text holds the model's image token {placeholder!r} "
+                                  f"({written} times), which stands for an image here; write it otherwise")
             raise PromptError(f"the model's chat template placed {placed} of the request's {len(images)} images "
                               "in the prompt (templates leave out images in some messages, such as a system "
                               "message's); send images in user messages")
