@@ -21,6 +21,9 @@ from gateway.settings import GatewaySettings
 log = logging.getLogger("mlxd.gateway.security")
 
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "[::1]", "::1"}
+# Names under these no one can register, so no page can rebind them: Docker
+# Desktop's containers reach the Mac as host.docker.internal.
+RESERVED_SUFFIXES = (".localhost", ".internal")
 
 
 def is_loopback(host: str) -> bool:
@@ -183,7 +186,7 @@ class Guard:
             name = name[: name.find("]") + 1]
         else:
             name = name.rsplit(":", 1)[0]
-        return name in self.allowed_hosts
+        return name in self.allowed_hosts or name.endswith(RESERVED_SUFFIXES)
 
 
 def keep_alive_for(request: Request, keep_alive_s: float | None) -> float | None:

@@ -123,9 +123,12 @@ def test_insecure_no_auth_starts_with_a_loud_warning(tmp_path):
 
 def test_host_guard_on_loopback_without_keys(server):
     port = server.port
-    for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.nip.io", "192.168.1.5"):
+    for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.nip.io", "192.168.1.5", "internal.example",
+                 "localhost.evil.example"):
         assert_error(server.http.get("/v1/models", headers={"Host": host}), 403, "host_not_allowed")
-    for host in ("localhost", f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"):
+    # Reserved names no page can rebind; Docker Desktop's containers reach the Mac by host.docker.internal.
+    for host in ("localhost", f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}",
+                 f"host.docker.internal:{port}", "app.localhost"):
         assert server.http.get("/v1/models", headers={"Host": host}).status_code == 200
 
 
