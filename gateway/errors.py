@@ -57,7 +57,6 @@ ANTHROPIC_TYPES = {
     429: "rate_limit_error",
     503: "overloaded_error",
     504: "timeout_error",
-    529: "overloaded_error",
 }
 
 

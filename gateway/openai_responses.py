@@ -199,11 +199,13 @@ def conversation(items: list[Any]) -> tuple[list[dict], list[ImageSource]]:
             role = "system" if item.role == "developer" else item.role
             extra = {"reasoning_content": reasoning} if reasoning and role == "assistant" else {}
             messages.append(template_message(role, parts, None, **extra))
-            reasoning = "" if role == "assistant" else reasoning
+            reasoning = ""  # an assistant message's, or of a turn that ended before one (cut short)
         elif isinstance(item, FunctionCallItem):
             call = template_tool_call(item.call_id, item.name, item.arguments)
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
+                if reasoning:
+                    messages[-1]["reasoning_content"] = messages[-1].get("reasoning_content", "") + reasoning
             else:
                 messages.append(template_message("assistant", [], [call],
                                                  **({"reasoning_content": reasoning} if reasoning else {})))

@@ -75,15 +75,18 @@ def request_deadlines(timeout_s: float) -> type[HttpToolsProtocol]:
 
     class RequestDeadlines(HttpToolsProtocol):
         _deadline: asyncio.TimerHandle | None = None
-        _header_bytes: int | None = None  # received since a request began, until its headers are whole
+        # Received since a request began, until its headers are whole: counted from the read after the
+        # one it began in (which may hold the end of the request before it), so up to a read more.
+        _header_bytes: int | None = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm(timeout_s)
 
         def data_received(self, data: bytes) -> None:
+            counting = self._header_bytes is not None
             super().data_received(data)
-            if self._header_bytes is not None:  # the headers are not whole yet, after this data too
+            if counting and self._header_bytes is not None:  # the headers are not whole yet, after this data too
                 self._header_bytes += len(data)
                 if self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
                     self.transport.write(_TOO_LARGE)
@@ -91,14 +94,15 @@ def request_deadlines(timeout_s: float) -> type[HttpToolsProtocol]:
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._header_bytes = 0  # what came in the data that began it counts too
+            self._header_bytes = 0
             self._arm(timeout_s)
 
         def on_headers_complete(self) -> None:
             self._disarm()
             self._header_bytes = None
-            self._arm(2 * timeout_s)
             super().on_headers_complete()
+            if not self.pipeline:  # a pipelined request's body waits, unread, for the one before it to end
+                self._arm(2 * timeout_s)
 
         def on_message_complete(self) -> None:
             self._disarm()

@@ -81,9 +81,13 @@ def _template_content(content: str | list[dict], vision: bool) -> str | list[dic
 def _system_first(messages: list[dict]) -> list[dict]:
     """The messages with every system message's content joined, in order, into
     one leading system message; the same list when at most the first message
-    is a system message."""
+    is a system message, or when one to be moved holds an image (it would
+    come before images it follows, which the processor pairs in order)."""
     systems = [m for m in messages if m["role"] == "system"]
     if not systems or systems == [messages[0]]:
+        return messages
+    moved = [m for m in systems if m is not messages[0]]
+    if any(isinstance(m["content"], list) and any(p.get("type") == "image" for p in m["content"]) for m in moved):
         return messages
     contents = [m["content"] for m in systems]
     if all(isinstance(c, str) for c in contents):

@@ -50,3 +50,16 @@ def test_responses_reasoning_items(tiny_model):
     assert "reasoning_content" not in messages[-1]
     prompt = tokenizer(tiny_model, REPLAYING).render_chat(messages)
     assert "<assistant><think>I should call ls</think>" in prompt
+
+
+def test_reasoning_stays_with_its_turn():
+    """A turn cut short while reasoning leaves its reasoning before the next user message: not the next
+    answer's; reasoning before a call that joins an assistant message goes with that message."""
+    messages, _ = conversation([
+        MessageItem("user", "q1"), ReasoningItemIn("reasoning", [{"type": "summary_text", "text": "R1"}]),
+        MessageItem("user", "q2"), MessageItem("assistant", "a2"),
+        ReasoningItemIn("reasoning", [{"type": "summary_text", "text": "R2"}]),
+        FunctionCallItem("function_call", "c1", "ls", "{}"),
+    ])
+    assert "reasoning_content" not in messages[1]
+    assert assistant_of(messages)["reasoning_content"] == "R2" and assistant_of(messages)["tool_calls"]

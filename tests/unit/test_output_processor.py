@@ -219,13 +219,14 @@ def test_keepalives_come_through_a_silence_and_stop_with_the_group(tokenizer):
 
     async def silent_then_done() -> list[Delta]:
         loop = asyncio.get_running_loop()
-        loop.call_later(0.23, group.queue.put_nowait, Delta("hi", 0))
-        loop.call_later(0.25, group.queue.put_nowait, Delta("", 0, finish_reason="stop"))
+        loop.call_later(0.45, group.queue.put_nowait, Delta("hi", 0))
+        loop.call_later(0.47, group.queue.put_nowait, Delta("", 0, finish_reason="stop"))
         deltas = [d async for d in group.deltas(None, keepalive_s=0.1)]
         await asyncio.sleep(0.15)  # the timer is gone with the reader
         assert group.queue.empty()
         return deltas
 
     deltas = asyncio.run(silent_then_done())
-    assert [d is KEEPALIVE for d in deltas] == [True, True, False, False]
-    assert [d.text for d in deltas[2:]] == ["hi", ""] and KEEPALIVE.text == ""
+    *silence, answer, end = deltas
+    assert len(silence) >= 2 and all(d is KEEPALIVE for d in silence)  # about four: the loop may run late
+    assert (answer.text, end.finish_reason) == ("hi", "stop") and KEEPALIVE.text == ""
