@@ -35,6 +35,7 @@ from gateway.security import Guard, KeyRing, check_bind_policy
 from gateway.serving import Serving
 from gateway.settings import GatewaySettings, PoolSettings
 from gateway.supervisor import local_pids
+from gateway.tokenizer import transformers_module
 from gateway.transport import EndpointInUse
 from gateway.worker_link import WorkerLink
 from protocol.units import parse_duration, parse_size
@@ -143,6 +144,9 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
         except Unavailable as e:
             app.state.fail(str(e))
         app.state.loop = asyncio.get_running_loop()
+        # The tokenizers' library, imported while the workers start (each a second or more): the first
+        # worker's Hello, which needs it, finds it ready.
+        app.state.loop.run_in_executor(None, transformers_module)
         if settings.api_key_file:
             app.state.loop.add_signal_handler(signal.SIGHUP, reload_keys)
         try:

@@ -20,35 +20,47 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-# transformers warns at import that PyTorch is missing; the gateway only
-# needs its tokenizers, so that warning is noise.
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+import numpy as np
+from jinja2 import TemplateError
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers.decoders import DecodeStream
 
-import numpy as np  # noqa: E402
-import transformers  # noqa: E402
-from jinja2 import TemplateError  # noqa: E402
-from tokenizers import Tokenizer as RustTokenizer  # noqa: E402
-from tokenizers.decoders import DecodeStream  # noqa: E402
-from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, ProcessorMixin  # noqa: E402
-from transformers.convert_slow_tokenizer import bytes_to_unicode  # noqa: E402
+from gateway.call_ids import Style, call_id_style, fit_call_ids
+from gateway.parsing import detect_reasoning, detect_tool_family
+from gateway.pixtral import PixtralProcessor
+from protocol import Tensor
+from protocol.codec import TENSOR_DTYPES, images_key
 
-from gateway.call_ids import Style, call_id_style, fit_call_ids  # noqa: E402
-from gateway.parsing import detect_reasoning, detect_tool_family  # noqa: E402
-from gateway.pixtral import PixtralProcessor  # noqa: E402
-from protocol import Tensor  # noqa: E402
-from protocol.codec import TENSOR_DTYPES, images_key  # noqa: E402
+if TYPE_CHECKING:
+    from transformers import ProcessorMixin
 
 # What a processor makes of the prompt rather than its images: the token ids
 # travel as such, and per-token masks would make the images' tensors (and so
 # their cache keys in the worker) depend on the text around them.
 PROMPT_ARRAYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
-# What a client's chat_template_kwargs may not set: apply_chat_template's own
-# arguments (a template of the client's own, tokenizing, the conversation)
-# and the messages the server renders.
-RESERVED_TEMPLATE_KWARGS = (frozenset(inspect.signature(transformers.PreTrainedTokenizerBase.apply_chat_template).parameters)
-                            - {"self", "kwargs"}) | {"messages"}
+
+
+def transformers_module() -> ModuleType:
+    """transformers, imported at its first use: its import is most of the
+    gateway's start (over a second here), which `mlxd serve` spends beside
+    its worker's own start (gateway/app.py) rather than before it."""
+    # It warns at import that PyTorch is missing; the gateway only needs its
+    # tokenizers and image processors, so that warning is noise.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import transformers
+    return transformers
+
+
+@functools.cache
+def reserved_template_kwargs() -> frozenset[str]:
+    """What a client's chat_template_kwargs may not set: apply_chat_template's
+    own arguments (a template of the client's own, tokenizing, the
+    conversation) and the messages the server renders."""
+    apply = transformers_module().PreTrainedTokenizerBase.apply_chat_template
+    return (frozenset(inspect.signature(apply).parameters) - {"self", "kwargs"}) | {"messages"}
 
 
 class PromptError(ValueError):
@@ -110,12 +122,13 @@ def load_processor(directory: str, tokenizer: Any) -> ProcessorMixin | PixtralPr
     half needs PyTorch (Qwen2-VL's, SmolVLM's) is built from its image
     processor, the tokenizer and its own settings alone: mlxd sends it images
     only. Pixtral's needs PyTorch throughout; gateway.pixtral stands in."""
+    transformers = transformers_module()
     try:
-        return AutoProcessor.from_pretrained(directory)
+        return transformers.AutoProcessor.from_pretrained(directory)
     except ImportError:
         name = _settings(directory, "preprocessor_config.json").get("processor_class", "")
         if name == "PixtralProcessor":  # all of it needs PyTorch: mlxd's own
-            return PixtralProcessor(AutoImageProcessor.from_pretrained(directory), tokenizer,
+            return PixtralProcessor(transformers.AutoImageProcessor.from_pretrained(directory), tokenizer,
                                     _settings(directory, "processor_config.json"),
                                     _settings(directory, "chat_template.json").get("chat_template"))
         processor_class = getattr(transformers, name, None)
@@ -127,7 +140,7 @@ def load_processor(directory: str, tokenizer: Any) -> ProcessorMixin | PixtralPr
                        {"check_argument_for_proper_class": lambda self, name, argument: type(argument)})
     settings = {k: v for k, v in _settings(directory, "processor_config.json").items() if k != "processor_class"}
     settings.setdefault("chat_template", _settings(directory, "chat_template.json").get("chat_template"))
-    return images_only(image_processor=AutoImageProcessor.from_pretrained(directory), tokenizer=tokenizer,
+    return images_only(image_processor=transformers.AutoImageProcessor.from_pretrained(directory), tokenizer=tokenizer,
                        video_processor=None, **settings)
 
 
@@ -144,7 +157,7 @@ class Tokenizer:
         with tempfile.TemporaryDirectory(prefix="mlxd-tokenizer-") as tmp:
             for name, data in files.items():
                 (Path(tmp) / Path(name).name).write_bytes(data)
-            self._tok = AutoTokenizer.from_pretrained(tmp)
+            self._tok = transformers_module().AutoTokenizer.from_pretrained(tmp)
             # The Rust tokenizer itself: streamed tokens are decoded by it
             # (IncrementalDetokenizer), and transformers' decode wraps it in a
             # Python layer that costs three times the decode.
@@ -185,7 +198,7 @@ class Tokenizer:
             raise PromptError("this model has no chat template; use /v1/completions")
         if not messages:
             raise PromptError("there is nothing to answer: the conversation has no message with content")
-        if reserved := sorted(RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or ())):
+        if reserved := sorted(reserved_template_kwargs().intersection(template_kwargs or ())):
             raise PromptError(f"chat_template_kwargs may not set {', '.join(reserved)}: the server renders the "
                               "model's own chat template over the request's messages")
         template_tools: list[dict[str, Any] | Callable[..., Any]] | None = list(tools) if tools else None
@@ -285,8 +298,9 @@ class Tokenizer:
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             with contextlib.suppress(ValueError):
                 return bytes([int(piece[3:5], 16)])
-        if all(c in BYTE_OF_CHAR for c in piece):
-            return bytes(BYTE_OF_CHAR[c] for c in piece)
+        byte_of_char = _byte_of_char()
+        if all(c in byte_of_char for c in piece):
+            return bytes(byte_of_char[c] for c in piece)
         return text.encode()
 
     @functools.cached_property
@@ -302,8 +316,11 @@ class Tokenizer:
         return detect_reasoning(self._tok.chat_template or "", set(self._tok.get_vocab()))
 
 
-# Byte-level BPE (GPT-2's scheme) writes each byte of a token as one character.
-BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """Byte-level BPE (GPT-2's scheme) writes each byte of a token as one character."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 class IncrementalDetokenizer:
