@@ -9,7 +9,7 @@ import ollama
 import openai
 import pytest
 
-from tests.conftest import Server
+from tests.conftest import Server, stop_all
 from tests.scripted_model import TEMPLATE, make_scripted_model
 from tests.test_anthropic import assert_event_grammar
 
@@ -94,8 +94,7 @@ def scripted(tmp_path_factory):
         return servers[name]
 
     yield get
-    for server in servers.values():
-        server.stop()
+    stop_all(list(servers.values()))
 
 
 def openai_client(server) -> openai.OpenAI:
