@@ -190,8 +190,12 @@ class DiskCache:
         `tokens` and is longer than `beyond` tokens, and its length; (None, 0)
         when none is. Nothing is read unless the chain is longer: the RAM
         tier usually holds as much, and a read is the main thread's time."""
+        keys = chain_keys(self.identity, tokens)
+        if len(keys) * BLOCK_TOKENS <= beyond:  # RAM holds as much: the disk's copy is kept fresh, off this thread
+            self._readers.submit(self._touch, keys)
+            return None, 0
         chain = []
-        for key in chain_keys(self.identity, tokens):
+        for key in keys:
             with self._lock:
                 known = key in self._files
             if not self._path(key).exists():
@@ -199,14 +203,7 @@ class DiskCache:
                     self._forget(key)
                 break  # not on disk (another worker on this directory may have written one that is)
             chain.append((key, known))
-        for key, _ in reversed(chain):  # recently used, read now or not; the first block last (the docstring)
-            with self._lock:
-                if key in self._files:
-                    self._files.move_to_end(key)
-            try:
-                os.utime(self._path(key))  # the order outlives the worker
-            except OSError:
-                pass  # gone meanwhile: its read fails below, and ends the chain there
+        self._touch([key for key, _ in chain])
         if len(chain) * BLOCK_TOKENS <= beyond:
             return None, 0
         blocks = self._read_chain(chain)
@@ -215,9 +212,9 @@ class DiskCache:
             return None, 0
         arrays = self._assemble(blocks)
         cache = []
-        for keys, values in zip(arrays[::2], arrays[1::2]):
+        for layer_keys, layer_values in zip(arrays[::2], arrays[1::2]):
             c = KVCache()
-            c.keys, c.values, c.offset = keys, values, length
+            c.keys, c.values, c.offset = layer_keys, layer_values, length
             cache.append(c)
         self.restored_tokens += length
         return cache, length
@@ -299,6 +296,19 @@ class DiskCache:
         self.nbytes += size - self._files.pop(key, 0)
         self._files[key] = size
 
+    def _touch(self, keys: list[str]) -> None:
+        """The blocks of a chain used now, the first one last (the most
+        recently used: eviction takes a chain's last blocks first), on disk
+        too, where the order outlives the worker."""
+        for key in reversed(keys):
+            with self._lock:
+                if key in self._files:
+                    self._files.move_to_end(key)
+            try:
+                os.utime(self._path(key))
+            except OSError:
+                pass  # not on disk (yet, or any more): a read ends the chain there
+
     def _forget(self, key: str) -> None:
         with self._lock:
             self.nbytes -= self._files.pop(key, 0)
@@ -333,10 +343,14 @@ class DiskCache:
     def _write(self, key: str, parts: list[bytes], before: list[str]) -> None:
         path, file_bytes = self._path(key), sum(map(len, parts))
         temporary = path.with_suffix(f".{os.getpid()}.tmp")  # replicas of a model may share the directory
+        # A block whose chain broke before it (a write failed) is one no lookup reaches: its room
+        # would go to the chain's own first blocks.
+        if not all(earlier in self._files or self._path(earlier).exists() for earlier in before):
+            return
         with self._lock:
             self._make_room(file_bytes)
         try:
-            self.directory.mkdir(mode=0o700, exist_ok=True)  # removed by hand while the worker runs
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # removed by hand while the worker runs
             fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.writelines(parts)
@@ -353,9 +367,7 @@ class DiskCache:
             return
         with self._lock:
             self._count(key, file_bytes)
-            for earlier in reversed(before):  # the chain's first block the most recently used (the docstring)
-                if earlier in self._files:
-                    self._files.move_to_end(earlier)
+        self._touch(before)  # the chain's first block the most recently used, on disk too
 
 
 def _header_bytes(layout: bytes) -> int:

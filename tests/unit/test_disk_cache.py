@@ -3,6 +3,10 @@ of keys, evicted least recently used first, dropped when damaged."""
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
@@ -101,6 +105,44 @@ def test_a_chain_written_after_another_is_evicted_from_its_end_too(tmp_path):
     disk.save(second, cache)  # one block of `first` must go
     disk.close()
     assert DiskCache(tmp_path / "kv", 4 * block, IDENTITY).restore(first, 0)[1] == 2 * BLOCK_TOKENS
+
+
+def test_the_order_of_a_chain_outlives_the_worker(tmp_path):
+    """After a restart (the order read from the files' times) a chain still loses its last blocks first."""
+    first, second = list(range(3 * BLOCK_TOKENS)), list(range(5000, 5000 + BLOCK_TOKENS))
+    cache = kv_cache(len(first))
+    block = block_bytes(tmp_path, cache)
+    written(tmp_path / "kv", 3 * block, first, cache)
+    written(tmp_path / "kv", 3 * block, second, cache)  # a new worker: one block of `first` must go
+    assert DiskCache(tmp_path / "kv", 3 * block, IDENTITY).restore(first, 0)[1] == 2 * BLOCK_TOKENS
+
+
+def test_a_chain_broken_by_a_failed_write_writes_no_more_of_itself(tmp_path, monkeypatch):
+    """The blocks after one that could not be written are out of reach: written, they would take room."""
+    tokens = list(range(4 * BLOCK_TOKENS))
+    cache = kv_cache(len(tokens))
+    replace, calls = os.replace, []
+
+    def second_fails(source, target):
+        calls.append(target)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "injected")
+        replace(source, target)
+
+    monkeypatch.setattr(os, "replace", second_fails)
+    written(tmp_path / "kv", 1 << 30, tokens, cache)
+    assert len(calls) == 2 and len(block_files(tmp_path / "kv")) == 1
+    assert DiskCache(tmp_path / "kv", 1 << 30, IDENTITY).restore(tokens, 0)[1] == BLOCK_TOKENS
+
+
+def test_a_directory_removed_while_the_worker_runs_is_made_again(tmp_path):
+    tokens = list(range(2 * BLOCK_TOKENS))
+    cache = kv_cache(len(tokens))
+    disk = DiskCache(open_directory(tmp_path / "kv"), 1 << 30, IDENTITY)
+    shutil.rmtree(tmp_path / "kv")
+    disk.save(tokens, cache)
+    disk.close()
+    assert len(block_files(tmp_path / "kv")) == 2
 
 
 def test_models_sharing_a_directory_keep_to_their_own_blocks(tmp_path):
