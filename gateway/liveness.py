@@ -85,7 +85,11 @@ class Vitals:
         previous = self.state
         if state != previous:
             self.state = state
-            self._bad_since = now if state in UNHEALTHY else None
+            # From one unhealthy state to the other (hung, then silent, then hung...) the clock runs on.
+            if state not in UNHEALTHY:
+                self._bad_since = None
+            elif previous not in UNHEALTHY or self._bad_since is None:
+                self._bad_since = now
             self._reported = False
         unhealthy_for = now - self._bad_since if self._bad_since is not None else 0.0
         give_up = unhealthy_for > self.hung_worker_s

@@ -170,8 +170,9 @@ class ModelPool:
     # ---- lifetime ------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load the pinned models (and with --preload, every model that fits, in order)."""
-        for m in self.models.values():
+        """Load the pinned models (and with --preload, every model that fits,
+        in order, after them: a preloaded model never takes a pinned one's room)."""
+        for m in sorted(self.models.values(), key=lambda m: not m.pinned):
             if m.pinned or self.preload:
                 async with self._lock:
                     if self._room_for(m, m.charge.fixed_here, idle_only=True) != []:
@@ -180,6 +181,8 @@ class ModelPool:
                         log.warning("--preload: %s is left unloaded: %s", m.name, self._why_no_room(m))
                         continue
                     await self._start(m, at_start=True)
+                    if not m.pinned:  # idle from the start: unasked, it unloads after its keep-alive
+                        m.idle_until = time.monotonic() + self.keep_alive_s
                     self._starting.add(m.name)
         self._reaper = asyncio.create_task(self._reap(), name="mlxd-pool-reaper")
 

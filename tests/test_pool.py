@@ -189,6 +189,19 @@ def lazy_pool(models):
         srv.stop()
 
 
+def test_preloaded_models_make_room_for_pinned_ones_and_unload_when_unasked(models, tmp_path):
+    """--preload (the tests' default) loads the pinned model first, whatever the order of --model,
+    and the others in the room left; one nobody asks for unloads after its keep-alive."""
+    args = ["serve", "--heartbeat-s", "0.1", "--max-loaded-models", "2", "--keep-alive", "6s", "--pin", NAMES[-1]]
+    for name, path in models.items():
+        args += ["--model", f"{name}={path}"]
+    with running(args, tmp_path / "serve.log") as srv:
+        wait_for(lambda: statuses(srv) == {NAMES[0]: "loaded", NAMES[1]: "unloaded", NAMES[2]: "loaded"}, 6,
+                 "the pinned model and the first one preloaded beside it")
+        wait_for(lambda: statuses(srv) == {**dict.fromkeys(NAMES, "unloaded"), NAMES[-1]: "loaded"}, 30,
+                 "the unasked model's keep-alive")
+
+
 def test_models_load_on_first_request_and_at_most_two_stay_loaded(lazy_pool, models):
     assert lazy_pool.http.get("/ready").status_code == 200  # nothing has to load before requests come
     assert set(statuses(lazy_pool).values()) == {"unloaded"} and lazy_pool.health()["workers"] == []

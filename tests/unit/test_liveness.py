@@ -59,6 +59,20 @@ def test_unhealthy_for_too_long_is_given_up_on():
     assert verdict.unhealthy_for > HUNG
 
 
+def test_switching_between_hung_and_silent_is_still_given_up_on():
+    """A stuck worker whose heartbeats come with gaps past the timeout: hung, unresponsive, hung...
+    The clock runs from the first of them; restarted at each switch, it would never give up."""
+    v = vitals()
+    v.beat(0.0, steps=5, running=2)
+    t, verdict = 0.0, None
+    while t < 10 * HUNG and not (verdict and verdict.give_up):
+        t += 1.0
+        if int(t) % 20 < 14:  # beats, then six seconds of silence in every twenty
+            v.beat(t, steps=5, running=2)
+        verdict = v.assess(t)
+    assert verdict is not None and verdict.give_up and t < 2 * HUNG + 2 * TIMEOUT
+
+
 def test_a_dropped_connection_is_unresponsive_until_the_next_beat():
     v = vitals()
     v.disconnected = True
