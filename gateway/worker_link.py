@@ -316,7 +316,7 @@ class WorkerLink:
         least = min(load[w.identity] for w in ready)
         message = state.add_request()
         blocks = prefix_blocks(message.prompt_token_ids)
-        worker = max((w for w in ready if load[w.identity] <= least + AFFINITY_SLACK),
+        worker = max((w for w in ready if load[w.identity] < least + AFFINITY_SLACK),
                      key=lambda w: (w.prefixes.matched(blocks), -load[w.identity]))
         if not self._send(worker.identity, message, state.buffers):
             # Its connection is gone: over tcp perhaps a blip the worker comes
