@@ -17,6 +17,7 @@ import inspect
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,12 @@ if TYPE_CHECKING:
 PROMPT_ARRAYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
 
 
+# transformers installs a lazy module in sys.modules before its import ends: a
+# second thread's `import transformers` meanwhile gets it half made (no
+# AutoTokenizer yet). Every import of it here goes through this lock.
+_TRANSFORMERS_IMPORT = threading.Lock()
+
+
 def transformers_module() -> ModuleType:
     """transformers, imported at its first use: its import is most of the
     gateway's start (over a second here), which `mlxd serve` spends beside
@@ -50,7 +57,8 @@ def transformers_module() -> ModuleType:
     # It warns at import that PyTorch is missing; the gateway only needs its
     # tokenizers and image processors, so that warning is noise.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import transformers
+    with _TRANSFORMERS_IMPORT:
+        import transformers
     return transformers
 
 
@@ -319,6 +327,7 @@ class Tokenizer:
 @functools.cache
 def _byte_of_char() -> dict[str, int]:
     """Byte-level BPE (GPT-2's scheme) writes each byte of a token as one character."""
+    transformers_module()
     from transformers.convert_slow_tokenizer import bytes_to_unicode
     return {char: byte for byte, char in bytes_to_unicode().items()}
 
