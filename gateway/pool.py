@@ -233,6 +233,7 @@ class ModelPool:
         async with self._lock:
             if lease.released:  # its request ended (a cancel, a drain) while this waited for the lock
                 raise Unavailable("the request ended before its memory was reserved", "request_ended")
+            self._measure(m)  # its weights as its worker measured them: not on disk before a download, 0 till then
             charge = m.charge
             before = charge.kv_reserved
             with_it = batch_kv(footprint, charge.rows + rows) + charge.kv_other + other
