@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import threading
 from collections.abc import Sequence
 
 from starlette.applications import Starlette
@@ -145,8 +146,9 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
             app.state.fail(str(e))
         app.state.loop = asyncio.get_running_loop()
         # The tokenizers' library, imported while the workers start (each a second or more): the first
-        # worker's Hello, which needs it, finds it ready.
-        app.state.loop.run_in_executor(None, transformers_module)
+        # worker's Hello, which needs it, finds it ready. A daemon: a server that stops meanwhile need
+        # not wait for it.
+        threading.Thread(target=transformers_module, name="mlxd-import-transformers", daemon=True).start()
         if settings.api_key_file:
             app.state.loop.add_signal_handler(signal.SIGHUP, reload_keys)
         try:

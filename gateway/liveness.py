@@ -85,13 +85,14 @@ class Vitals:
         previous = self.state
         if state != previous:
             self.state = state
-            # From one unhealthy state to the other (hung, then silent, then hung...) the clock runs on.
-            if state not in UNHEALTHY:
+            # Only a ready worker stops the clock: between unhealthy states (hung, then silent, then
+            # hung...), or in and out of a drain, it runs on.
+            if state == Liveness.READY:
                 self._bad_since = None
-            elif previous not in UNHEALTHY or self._bad_since is None:
+            elif state in UNHEALTHY and self._bad_since is None:
                 self._bad_since = now
             self._reported = False
-        unhealthy_for = now - self._bad_since if self._bad_since is not None else 0.0
+        unhealthy_for = now - self._bad_since if state in UNHEALTHY and self._bad_since is not None else 0.0
         give_up = unhealthy_for > self.hung_worker_s
         kill = (state == Liveness.HUNG or give_up) and not self._reported
         self._reported = self._reported or kill

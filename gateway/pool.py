@@ -72,6 +72,8 @@ class PooledModel:
     failure: str | None = None  # why its last load failed, until the next
     failed_at: float = 0.0
     unload_requested: bool = False  # by an admin, while requests ran: it unloads when they end
+    # Loaded at start and asked for by no request yet: its keep-alive runs from when it is ready.
+    idle_once_ready: bool = False
     # While its worker is being stopped: ends once it has exited (until then its memory is not free).
     stop_task: asyncio.Task | None = None
 
@@ -181,8 +183,7 @@ class ModelPool:
                         log.warning("--preload: %s is left unloaded: %s", m.name, self._why_no_room(m))
                         continue
                     await self._start(m, at_start=True)
-                    if not m.pinned:  # idle from the start: unasked, it unloads after its keep-alive
-                        m.idle_until = time.monotonic() + self.keep_alive_s
+                    m.idle_once_ready = not m.pinned
                     self._starting.add(m.name)
         self._reaper = asyncio.create_task(self._reap(), name="mlxd-pool-reaper")
 
@@ -216,6 +217,7 @@ class ModelPool:
                 and time.monotonic() - m.failed_at < FAILED_LOAD_HOLD_S):
             raise Unavailable(f"the model {name} cannot load: {m.failure}", "model_load_failed")
         m.users += 1
+        m.idle_once_ready = False
         m.last_used = time.monotonic()
         try:
             await self._load(m, time.monotonic() + wait_s)
@@ -486,6 +488,8 @@ class ModelPool:
             await asyncio.sleep(REAP_INTERVAL_S)
             now = time.monotonic()
             for m in list(self.models.values()):
+                if m.idle_once_ready and self.status(m.name) == "loaded":
+                    m.idle_once_ready, m.idle_until = False, now + self.keep_alive_s
                 if m.running and m.users == 0 and now >= m.idle_until:
                     await self._unload_if_idle(m)
 

@@ -38,6 +38,11 @@ from protocol.codec import TENSOR_DTYPES, images_key
 if TYPE_CHECKING:
     from transformers import ProcessorMixin
 
+# transformers warns at import that PyTorch is missing; the gateway only needs
+# its tokenizers and image processors, so that warning is noise (for the
+# workers too, which inherit this environment and import it through mlx-lm).
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
 # What a processor makes of the prompt rather than its images: the token ids
 # travel as such, and per-token masks would make the images' tensors (and so
 # their cache keys in the worker) depend on the text around them.
@@ -54,11 +59,9 @@ def transformers_module() -> ModuleType:
     """transformers, imported at its first use: its import is most of the
     gateway's start (over a second here), which `mlxd serve` spends beside
     its worker's own start (gateway/app.py) rather than before it."""
-    # It warns at import that PyTorch is missing; the gateway only needs its
-    # tokenizers and image processors, so that warning is noise.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     with _TRANSFORMERS_IMPORT:
         import transformers
+        _ = transformers.AutoTokenizer  # its lazy submodules, under the lock too
     return transformers
 
 

@@ -168,7 +168,7 @@ class DiskCache:
         # are removed under it too, so that a key counted is a file there.
         self._lock = threading.Lock()
         self._files: OrderedDict[str, int] = OrderedDict()
-        found = sorted((info.st_mtime, path.stem, info.st_size) for path, info in _stats(self.directory, "*" + SUFFIX))
+        found = sorted((info.st_mtime_ns, path.stem, info.st_size) for path, info in _stats(self.directory, "*" + SUFFIX))
         for _, key, size in found:
             self._files[key] = size
         for path, info in _stats(self.directory, "*.tmp"):  # a write a crash cut short; an hour leaves others' own
@@ -299,13 +299,16 @@ class DiskCache:
     def _touch(self, keys: list[str]) -> None:
         """The blocks of a chain used now, the first one last (the most
         recently used: eviction takes a chain's last blocks first), on disk
-        too, where the order outlives the worker."""
-        for key in reversed(keys):
+        too, where the order outlives the worker: each block a microsecond
+        older than the one before it, since touches a moment apart get the
+        same time (a restart would order them by name)."""
+        now = time.time_ns()
+        for age, key in reversed(list(enumerate(keys))):
             with self._lock:
                 if key in self._files:
                     self._files.move_to_end(key)
             try:
-                os.utime(self._path(key))
+                os.utime(self._path(key), ns=(now - age * 1000,) * 2)
             except OSError:
                 pass  # not on disk (yet, or any more): a read ends the chain there
 
@@ -367,7 +370,7 @@ class DiskCache:
             return
         with self._lock:
             self._count(key, file_bytes)
-        self._touch(before)  # the chain's first block the most recently used, on disk too
+        self._touch([*before, key])  # the chain's first block the most recently used, this one the least
 
 
 def _header_bytes(layout: bytes) -> int:

@@ -107,9 +107,11 @@ def test_a_chain_written_after_another_is_evicted_from_its_end_too(tmp_path):
     assert DiskCache(tmp_path / "kv", 4 * block, IDENTITY).restore(first, 0)[1] == 2 * BLOCK_TOKENS
 
 
-def test_the_order_of_a_chain_outlives_the_worker(tmp_path):
-    """After a restart (the order read from the files' times) a chain still loses its last blocks first."""
-    first, second = list(range(3 * BLOCK_TOKENS)), list(range(5000, 5000 + BLOCK_TOKENS))
+@pytest.mark.parametrize("start", [0, 1000, 2000, 3000])  # other tokens, other keys: their names sort otherwise
+def test_the_order_of_a_chain_outlives_the_worker(tmp_path, start):
+    """After a restart (the order read from the files' times, which blocks written a moment apart
+    would share) a chain still loses its last blocks first."""
+    first, second = list(range(start, start + 3 * BLOCK_TOKENS)), list(range(5000, 5000 + BLOCK_TOKENS))
     cache = kv_cache(len(first))
     block = block_bytes(tmp_path, cache)
     written(tmp_path / "kv", 3 * block, first, cache)

@@ -91,3 +91,19 @@ def test_draining_wins_while_it_beats_and_a_silent_drain_is_given_up_on():
     silent_at = 2 * TIMEOUT + HUNG + 1
     assert v.assess(silent_at).state == Liveness.UNRESPONSIVE and not v.assess(silent_at).give_up
     assert v.assess(silent_at + HUNG + 1).give_up
+
+
+def test_a_drain_broken_by_silences_is_still_given_up_on():
+    """Draining, with heartbeats that stop past the timeout now and then: the clock runs from the first
+    silence through the drains between them (a drain that beats on for good is the worker's own to end)."""
+    v = vitals()
+    v.draining = True
+    t, verdict = 0.0, None
+    while t < 10 * HUNG and not (verdict and verdict.give_up):
+        t += 1.0
+        if int(t) % 20 < 14:
+            v.beat(t, steps=5, running=2)
+        verdict = v.assess(t)
+        if verdict.state == Liveness.DRAINING:
+            assert not verdict.give_up
+    assert verdict is not None and verdict.give_up and t < 2 * HUNG + 2 * TIMEOUT
