@@ -116,8 +116,7 @@ def chat_input(body: Conversation) -> ChatInput:
             elif isinstance(block, ThinkingBlock):
                 thinking.append(block.thinking)
         if parts or tool_calls:
-            extra = {"reasoning_content": "".join(thinking)} if thinking and role == "assistant" else {}
-            messages.append(template_message(role, parts, tool_calls, **extra))
+            messages.append(template_message(role, parts, tool_calls, "".join(thinking) if role == "assistant" else ""))
     # A conversation that ends with the assistant's text is a prefill: the answer goes on from it.
     prefill = (body.messages[-1].role == "assistant" and bool(messages) and messages[-1]["role"] == "assistant"
                and "tool_calls" not in messages[-1])

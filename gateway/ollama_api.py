@@ -172,9 +172,7 @@ def chat_input(messages: list[Message], think: bool | str | None, param: str = "
             if answered is not None:
                 unanswered.remove(answered)
                 extra["tool_call_id"] = answered["id"]
-        if m.thinking:
-            extra["reasoning_content"] = m.thinking
-        out.append(template_message(m.role, content, calls, **extra))
+        out.append(template_message(m.role, content, calls, m.thinking or "", **extra))
     return ChatInput(out, images, thinking(think))
 
 

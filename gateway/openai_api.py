@@ -97,12 +97,11 @@ def chat_input(body: ChatCompletionRequest) -> ChatInput:
         calls = [template_tool_call(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
         if m.function_call is not None and not calls:
             calls = [template_tool_call(f"call_{i}", m.function_call.name, m.function_call.arguments)]
-        extra = {key: value for key, value in (("tool_call_id", m.tool_call_id), ("name", m.name),
-                                               ("reasoning_content", m.reasoning_content)) if value}
+        extra = {key: value for key, value in (("tool_call_id", m.tool_call_id), ("name", m.name)) if value is not None}
         if m.role == "function":  # answers the deprecated function_call, which has no id
             extra.setdefault("tool_call_id", _answered_call_id(body.messages, i))
         role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
-        messages.append(template_message(role, parts, calls, **extra))
+        messages.append(template_message(role, parts, calls, m.reasoning_content or "", **extra))
     switches = reasoning_switches(body.reasoning_effort)
     kwargs = {**switches, **(body.chat_template_kwargs or {})} if switches else body.chat_template_kwargs
     return ChatInput(messages, images, kwargs)

@@ -197,8 +197,7 @@ def conversation(items: list[Any]) -> tuple[list[dict], list[ImageSource]]:
                     images.append(ImageSource(f"input[{i}].content[{j}].image_url", url=part.image_url))
                     parts.append({"type": "image"})
             role = "system" if item.role == "developer" else item.role
-            extra = {"reasoning_content": reasoning} if reasoning and role == "assistant" else {}
-            messages.append(template_message(role, parts, None, **extra))
+            messages.append(template_message(role, parts, None, reasoning if role == "assistant" else ""))
             reasoning = ""  # an assistant message's, or of a turn that ended before one (cut short)
         elif isinstance(item, FunctionCallItem):
             call = template_tool_call(item.call_id, item.name, item.arguments)
@@ -207,8 +206,7 @@ def conversation(items: list[Any]) -> tuple[list[dict], list[ImageSource]]:
                 if reasoning:
                     messages[-1]["reasoning_content"] = messages[-1].get("reasoning_content", "") + reasoning
             else:
-                messages.append(template_message("assistant", [], [call],
-                                                 **({"reasoning_content": reasoning} if reasoning else {})))
+                messages.append(template_message("assistant", [], [call], reasoning))
             reasoning = ""
         elif isinstance(item, FunctionCallOutputItem):
             messages.append(template_message("tool", item.text(), tool_call_id=item.call_id))
@@ -367,8 +365,7 @@ class ResponseOutput:
         calls = [template_tool_call(c.call_id, c.name, c.arguments) for c in self._items
                  if isinstance(c, FunctionCallOut)]
         reasoning = "".join(item.part.text for item in self._items if isinstance(item, ReasoningOut))
-        return [template_message("assistant", [{"type": "text", "text": text}], calls,
-                                 **({"reasoning_content": reasoning} if reasoning else {}))]
+        return [template_message("assistant", [{"type": "text", "text": text}], calls, reasoning)]
 
     def body(self, choices: list[Choice], group: RequestGroup) -> ResponseObject:
         (choice,) = choices

@@ -165,12 +165,16 @@ def nonempty_stops(stops: list[str], param: str) -> list[str]:
 
 
 def template_message(role: str, content: str | list[dict], tool_calls: list[dict] | None = None,
-                     **extra: str) -> dict:
+                     reasoning: str = "", **extra: str) -> dict:
     """One chat message as templates take it: its text or parts (text, image),
-    the calls it made, and any other keys (tool_call_id, name)."""
+    the calls it made, the reasoning before them (`reasoning_content`, which
+    templates that replay it render: Qwen 3's, after the last user message),
+    and any other keys (tool_call_id, name)."""
     message: dict = {"role": role, "content": content}
     if tool_calls:
         message["tool_calls"] = tool_calls
+    if reasoning:
+        message["reasoning_content"] = reasoning
     message.update(extra)
     return message
 
