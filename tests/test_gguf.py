@@ -16,7 +16,7 @@ from mlx_lm import load
 
 from tests.conftest import MLXD, ROOT
 from tests.gguf_export import save_float_gguf, save_quantized_gguf, unpermute_from_gguf
-from worker.gguf import convert_weights, import_gguf
+from worker.gguf import convert_weights, import_gguf, read_gguf
 
 TEXTS = ["Once upon a time", "héllo wörld 😀 漢字", "Numbers 0 1 2 3 and (symbols)!", "  two  spaces\nnew line"]
 
@@ -77,6 +77,35 @@ def test_quantized_round_trip_within_quantization_error(tiny_model, original, tm
     relative = np.abs(got - float_logits).mean() / np.abs(float_logits).mean()
     assert relative < 0.25, relative
     assert (got.argmax(-1) == float_logits.argmax(-1)).mean() >= 0.5
+
+
+def test_bf16_tensors_are_imported_as_they_are(tiny_model, tmp_path):
+    """MLX reads a GGUF's BF16 tensors as float16 by value; the import keeps them bfloat16, every bit."""
+    held = save_quantized_gguf(tiny_model, tmp_path / "tiny-bf16.gguf", {"default": gguf.GGMLQuantizationType.BF16})
+    imported = import_gguf(tmp_path / "tiny-bf16.gguf", tmp_path / "imported")
+    got = mx.load(str(imported / "model.safetensors"))
+    want, _ = convert_weights({name: mx.array(w) for name, w in held.items()})
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        assert got[name].dtype == (mx.bfloat16 if w.ndim == 2 else mx.float32), name
+        assert mx.array_equal(got[name].astype(mx.float32), w), name
+
+
+def test_bf16_values_past_float16s_range_are_kept(tmp_path):
+    values = np.array([[1.5, 1e30, -3.25, 70000.0], [1e-30, 0.0, -1e20, 2.0]], dtype=np.float32)
+    packed = gguf.quants.quantize(values, gguf.GGMLQuantizationType.BF16)
+    writer = gguf.GGUFWriter(str(tmp_path / "range.gguf"), "llama")
+    writer.add_tensor("before", np.ones(3, dtype=np.float32))  # so that the BF16 tensor's data does not start at 0
+    writer.add_tensor("w", packed, raw_dtype=gguf.GGMLQuantizationType.BF16)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    weights, _ = read_gguf(tmp_path / "range.gguf")
+    assert weights["w"].dtype == mx.bfloat16
+    np.testing.assert_array_equal(
+        np.array(weights["w"].astype(mx.float32)), gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.BF16)
+    )
 
 
 def run_mlxd(*args, env=None) -> subprocess.CompletedProcess:

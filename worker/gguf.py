@@ -17,9 +17,10 @@ import struct
 import tempfile
 from collections import Counter
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
+import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 log = logging.getLogger("mlxd.worker.gguf")
@@ -84,8 +85,9 @@ def _scalar(metadata: dict, key: str, default=None):
 
 # Written into an import's config.json; an import of an older mlxd (lower, or
 # none) is done again: 2 refuses the tensor types below (older ones took
-# K-quants with wrong scales) and stops at the end-of-turn token too.
-IMPORT_VERSION = 2
+# K-quants with wrong scales) and stops at the end-of-turn token too; 3 keeps
+# BF16 tensors bfloat16 (older ones turned them into float16 by value).
+IMPORT_VERSION = 3
 
 
 def is_current_import(out_dir: Path) -> bool:
@@ -103,10 +105,13 @@ def drop_stale_import(out_dir: Path) -> None:
         shutil.rmtree(out_dir)
 
 
-# The tensor types (ggml_type) MLX reads as they are: floats, and the 32-weight
-# block quantizations it turns into its own. It turns others into float16 (the
+# The tensor types (ggml_type) mlxd imports: floats, and the 32-weight block
+# quantizations MLX turns into its own. MLX turns others into float16 (the
 # K-quants, with wrong scales for half their sub-blocks) or fails on them.
 READABLE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 30: "BF16"}
+# MLX reads BF16 tensors as float16 by value (past 65504 an inf, below 6e-5
+# precision lost), so mlxd reads their bytes itself.
+BF16 = 30
 OTHER_TYPES = {6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K",
                15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S",
                22: "IQ2_S", 23: "IQ4_XS", 29: "IQ1_M"}
@@ -114,10 +119,16 @@ OTHER_TYPES = {6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_
 _VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
 
-def read_header(path: Path) -> tuple[str | None, dict[str, int]]:
-    """The file's architecture (general.architecture) and each tensor's ggml
-    type, read from its header; the rest of the metadata is skipped. A length
-    past the file's end is a GGUFError, never a read of it."""
+class Header(NamedTuple):
+    architecture: str | None  # general.architecture
+    types: dict[str, int]  # each tensor's ggml type
+    offsets: dict[str, int]  # where each tensor's data starts in the file
+
+
+def read_header(path: Path) -> Header:
+    """The file's architecture, and each tensor's type and place, read from
+    its header; the rest of the metadata is skipped. A length past the file's
+    end is a GGUFError, never a read of it."""
     corrupt = f"{path} cannot be read (truncated or corrupt?)"
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -160,24 +171,28 @@ def read_header(path: Path) -> tuple[str | None, dict[str, int]]:
             raise GGUFError(f"{path} is not a GGUF file (no GGUF magic number)")
         take("<I")  # version
         tensors, entries = take("<Q"), take("<Q")
-        architecture = None
+        architecture, alignment = None, 32
         for _ in range(entries):
             key, kind = text(), take("<I")
             if key == "general.architecture" and kind == 8:
                 architecture = text()
+            elif key == "general.alignment" and kind == 4:
+                alignment = take("<I") or 32
             else:
                 skip_value(kind)
-        types = {}
+        types, offsets = {}, {}
         for _ in range(tensors):
             name = text()
             skip(8 * take("<I"))  # its dimensions
             types[name] = take("<I")
-            take("<Q")  # its data's offset
-        return architecture, types
+            offsets[name] = take("<Q")
+        # The tensors' data starts at the first multiple of the alignment after the header.
+        data_start = -(-f.tell() // alignment) * alignment
+        return Header(architecture, types, {name: data_start + offset for name, offset in offsets.items()})
 
 
 def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict]:
-    architecture, types = read_header(path)
+    architecture, types, offsets = read_header(path)
     if architecture != "llama":
         raise GGUFError(
             f"{path.name}: architecture {architecture!r} is not supported; mlxd imports llama-architecture GGUFs"
@@ -195,6 +210,12 @@ def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict]:
         weights, metadata = cast(tuple[dict[str, mx.array], dict[str, Any]], mx.load(str(path), return_metadata=True))
     except Exception as e:  # mlx raises plain RuntimeError/ValueError for broken files
         raise GGUFError(f"{path} cannot be read (truncated or corrupt?): {e}") from None
+    for name in (name for name, kind in types.items() if kind == BF16):
+        shape = weights[name].shape
+        raw = np.fromfile(path, dtype="<u2", count=weights[name].size, offset=offsets[name])
+        if raw.size != weights[name].size:
+            raise GGUFError(f"{path} cannot be read (truncated or corrupt?): tensor {name} ends early")
+        weights[name] = mx.array(raw.reshape(shape)).view(mx.bfloat16)
     return weights, metadata
 
 
