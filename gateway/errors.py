@@ -38,9 +38,11 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# A request ended by its client (a cancel, a hang-up): nginx's status for it.
+CANCELLED = 499
 # OpenAI's error types, for an error known by its status alone (a request that
 # failed after it was admitted, Starlette's 404 and 405).
-OPENAI_TYPES = {404: "not_found_error", 499: "cancelled", 503: "service_unavailable"}
+OPENAI_TYPES = {404: "not_found_error", CANCELLED: "cancelled", 503: "service_unavailable"}
 
 
 def openai_error_type(status: int) -> str:

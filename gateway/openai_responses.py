@@ -22,7 +22,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.errors import APIError, convert, decode_body
+from gateway.errors import CANCELLED, APIError, convert, decode_body
 from gateway.images import ImageSource
 from gateway.openai_responses_schema import (
     ITEM_TYPES,
@@ -346,14 +346,15 @@ class ResponseOutput:
             body.parallel_tool_calls is not False, body.temperature, body.top_p, body.metadata or {},
             body.previous_response_id,
             error=ResponseError("server_error" if error.status >= 500 else "invalid_prompt", error.message)
-            if error is not None else None,
+            if error is not None and status == "failed" else None,
             incomplete_details=IncompleteDetails("max_output_tokens") if status == "incomplete" else None,
             usage=usage, max_output_tokens=body.max_output_tokens, store=body.store is not False,
             text=msgspec.to_builtins(body.text) if body.text and body.text.format else {"format": {"type": "text"}},
         )
 
     def _finished(self, group: RequestGroup, error: APIError | None) -> ResponseObject:
-        status = "failed" if error is not None else "incomplete" if self._finish == "length" else "completed"
+        status = ("cancelled" if error.status == CANCELLED else "failed") if error is not None else \
+            "incomplete" if self._finish == "length" else "completed"
         response = self._response(status, group, error)
         if error is None:
             self._keep(response, self._messages())
@@ -491,6 +492,7 @@ class ResponseOutput:
             out += self._open_item(OutputMessage(_new_id("msg"), "in_progress", []))  # an empty answer
         out += self._close_item("incomplete" if error is not None or self._finish == "length" else "completed")
         response = self._finished(group, error)
-        kind = {"failed": "response.failed", "incomplete": "response.incomplete"}.get(response.status,
-                                                                                      "response.completed")
+        # The Responses API streams no event of its own for a cancel: it ends as a failure, its status cancelled.
+        kind = {"failed": "response.failed", "cancelled": "response.failed",
+                "incomplete": "response.incomplete"}.get(response.status, "response.completed")
         return out + [self._event(kind, response=msgspec.to_builtins(response))]

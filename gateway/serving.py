@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.admission import Admission
-from gateway.errors import APIError, openai_error_type
+from gateway.errors import CANCELLED, APIError, openai_error_type
 from gateway.images import ImageLoader
 from gateway.metrics import Metrics
 from gateway.model_facts import ModelFacts, model_facts
@@ -307,7 +307,7 @@ class Serving:
             if not streaming:
                 lease.release()
         if choices is None:
-            return Response(status_code=499)  # nobody is listening
+            return Response(status_code=CANCELLED)  # nobody is listening
         self._log_completion(renderer.id, [c.text for c in choices])
         return MsgspecResponse(renderer.body(choices, group))
 
@@ -420,7 +420,7 @@ class Serving:
         client_id, group = self.running.get(request_id, (None, None))
         if group is None or client_id != request.scope["state"]["client_id"]:
             raise APIError(404, f"no running request {request_id!r}", type="not_found_error", param="id")
-        group.end("the request was cancelled", 499)
+        group.end("the request was cancelled", CANCELLED)
 
     def end_all(self, message: str) -> None:
         """End every running request with an error (the server is stopping)."""

@@ -244,3 +244,20 @@ def test_reasoning_cut_short_is_the_incomplete_item(reasoning_server, validate):
     final = events[-1]["response"]
     assert events[-1]["type"] == "response.incomplete"
     assert [(item["type"], item["status"]) for item in final["output"]] == [("reasoning", "incomplete")]
+
+
+def test_a_cancelled_response_says_cancelled(server, validate):
+    body = {"model": MODEL_NAME, "input": "Once upon a time", "temperature": 0, "max_output_tokens": 1500,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as r:
+        lines = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: "))
+        response_id = next(lines)["response"]["id"]
+        next(e for e in lines if e["type"] == "response.output_text.delta")
+        assert server.http.post(f"/v1/requests/{response_id}/cancel").json()["cancelled"] is True
+        events = list(lines)
+    final = events[-1]
+    validate(final, event_schema(final))
+    assert final["type"] == "response.failed"
+    assert final["response"]["status"] == "cancelled"
+    assert final["response"]["error"] is None  # OpenAI's error codes have none for a cancel
+    assert final["response"]["output"][-1]["status"] == "incomplete"
