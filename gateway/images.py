@@ -33,7 +33,6 @@ FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "AVIF")
 # hundred bytes an array of a hundred gigabytes. Qwen's processors refuse 200:1.
 MAX_ASPECT_RATIO = 200
 _DATA_URL = re.compile(r"data:[^,]*;base64,(?P<data>.*)", re.S)  # the media type is not trusted: decoding decides
-_WHITESPACE = re.compile(r"\s+")
 # In place of an image in a tool's result, whose image chat templates do not take.
 IMAGE_LEFT_OUT = "[an image, left out: this server passes no images in a tool's result to the model]"
 
@@ -101,8 +100,9 @@ class ImageLoader:
             raise APIError(413, f"an image is larger than this server's limit of {limit} bytes", param=param,
                            code="image_too_large")
         try:
-            # Line breaks are what `base64` and MIME encoders write every 76 characters.
-            raw = base64.b64decode(_WHITESPACE.sub("", data), validate=True)
+            # Line breaks are what `base64` and MIME encoders write every 76 characters. (Split
+            # and joined: a regular expression's pass took 1.5 ms for a 200 KB image, on the event loop.)
+            raw = base64.b64decode("".join(data.split()), validate=True)
         except (binascii.Error, ValueError):
             raise APIError(400, "the image is not valid base64", param=param, code="invalid_image") from None
         if len(raw) > limit:
