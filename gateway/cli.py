@@ -35,7 +35,7 @@ from gateway.settings import GatewaySettings, PoolSettings
 from protocol import PROTOCOL_VERSION
 from protocol.packages import MLX_PACKAGES, installed_version
 from protocol.settings import add_arguments, parse_settings, resolve
-from protocol.worker_settings import WorkerSettings, announced_name
+from protocol.worker_settings import WorkerSettings, announced_name, worker_command
 
 USAGE = __doc__
 
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     if command in WORKER_COMMANDS:
         # Replace this process with the worker program, so that MLX is never
         # imported by gateway code and launchd supervises the worker's own PID.
-        os.execv(sys.executable, [sys.executable, "-m", "worker", *WORKER_COMMANDS[command], *rest])
+        os.execv(sys.executable, worker_command([*WORKER_COMMANDS[command], *rest]))
     if command == "gateway":
         return gateway_main(rest)
     if command == "serve":

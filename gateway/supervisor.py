@@ -20,7 +20,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
 
@@ -29,7 +28,7 @@ import msgspec
 from gateway.worker_link import WorkerLink
 from protocol import EXIT_LOAD_FAILED, LoadFailed
 from protocol.settings import to_arguments, without_variables
-from protocol.worker_settings import WorkerSettings
+from protocol.worker_settings import WorkerSettings, worker_command
 
 log = logging.getLogger("mlxd.gateway.supervisor")
 
@@ -122,7 +121,7 @@ class WorkerSupervisor:
         }
 
     async def _run(self) -> None:
-        argv = [sys.executable, "-m", "worker", *to_arguments(self.settings)]
+        argv = worker_command(to_arguments(self.settings))
         # The settings were resolved here, the variables with them; the flags carry them all.
         environ = without_variables(os.environ, WorkerSettings)
         first = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -15,6 +16,13 @@ from protocol.endpoints import default_worker_endpoint
 
 # The embedded default model, and the name a worker serves it under.
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def worker_command(arguments: list[str]) -> list[str]:
+    """The command line that runs the worker program with `arguments`. With -P
+    Python leaves the current directory off the module path: a worker.py
+    where mlxd was started (a Celery project's) never runs in its place."""
+    return [sys.executable, "-P", "-m", "worker", *arguments]
 
 
 def cache_dir() -> Path:

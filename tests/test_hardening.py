@@ -384,3 +384,12 @@ def test_requests_that_leave_sampling_out_get_the_models_defaults(recommending_m
         assert hot["choices"][0]["message"]["content"] != expected.text
     finally:
         server.stop()
+
+
+def test_a_worker_py_in_the_current_directory_never_runs_as_the_worker(tmp_path):
+    """`python -m worker` would put the directory mlxd was started in first on the module path."""
+    (tmp_path / "worker.py").write_text("import pathlib; pathlib.Path('ran').write_text('the wrong worker')\n")
+    result = subprocess.run([*MLXD, "import-gguf", str(tmp_path / "missing.gguf"), str(tmp_path / "out")],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert "No such file" in result.stderr  # mlxd's worker program answered
+    assert not (tmp_path / "ran").exists()

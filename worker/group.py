@@ -28,7 +28,7 @@ from mlx._distributed_utils.common import Host, Hostfile
 from mlx._distributed_utils.launch import RemoteProcess
 
 from protocol.settings import to_arguments
-from protocol.worker_settings import WorkerSettings
+from protocol.worker_settings import WorkerSettings, worker_command
 from worker.start import GROUP_PID_ENV, load_failed
 
 log = logging.getLogger("mlxd.worker.group")
@@ -102,7 +102,7 @@ def start_rank(rank: int, host: Host, settings: WorkerSettings, files: dict[str,
     local = is_local(rank, host)
     # A rank on this machine stops if this process goes (--parent-pid).
     rank_settings = msgspec.structs.replace(settings, parent_pid=os.getpid() if local else None)
-    command = [sys.executable, "-m", "worker", *to_arguments(rank_settings)]
+    command = worker_command(to_arguments(rank_settings))
     script = RemoteProcess.make_launch_script(rank, None, None, files, env, command, local)
     if not local:
         # A terminal's Ctrl-C reaches this process group: ssh ignores it (an ignored
