@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -41,7 +41,8 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     drain_s: Annotated[
         float, Meta(ge=0, description="on SIGTERM, how long open streams may finish before they are ended")
     ] = 10.0
-    log_level: Annotated[str, Meta(description="debug, info, warning or error")] = "info"
+    log_level: Annotated[Literal["debug", "info", "warning", "error"],
+                         Meta(description="debug, info, warning or error")] = "info"
     # ---- security (docs/security.md) ----
     api_key: Annotated[
         list[str],

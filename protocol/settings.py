@@ -100,7 +100,8 @@ def resolve(
         if missing:
             field = missing.group(1)
             raise ValueError(f"{flag_name(field)} (or {env_name(field, settings_type)}) is required") from None
-        field = message.rpartition("$.")[2].split("[")[0]
+        at = re.search(r"\$\.(\w+)", message)  # msgspec's "... - at `$.port`"
+        field = at.group(1) if at else ""
         if field in raw:
             message = f"{flag_name(field)} / {env_name(field, settings_type)}: {message}"
         raise ValueError(message) from None

@@ -24,9 +24,14 @@ def test_lists_take_repeats_and_commas():
     assert parsed(GatewaySettings, [], {"MLXD_API_KEYS": "x, y"}).api_key == ["x", "y"]
 
 
-def test_a_bad_value_names_its_flag_and_variable():
-    with pytest.raises(ValueError, match="port"):
-        parsed(GatewaySettings, ["--port", "70000"])
+@pytest.mark.parametrize("argv, environ, named", [
+    (["--port", "70000"], {}, "--port / MLXD_PORT"),
+    ([], {"MLXD_PORT": "abc"}, "--port / MLXD_PORT"),
+    (["--log-level", "verbose"], {}, "--log-level / MLXD_LOG_LEVEL"),
+])
+def test_a_bad_value_names_its_flag_and_variable(argv, environ, named):
+    with pytest.raises(ValueError, match=f"^{named}: "):
+        parsed(GatewaySettings, argv, environ)
 
 
 def test_booleans_take_a_no_form():
