@@ -119,8 +119,7 @@ def chat_plan(body: ChatCompletionRequest) -> Plan:
     tools = tool_definitions([function_tool(t.function.name, t.function.description,
                                             t.function.parameters or {"type": "object"}) for t in body.tools or []],
                              NamedTool(choice.function.name) if isinstance(choice, NamedToolChoice) else choice)
-    schema = body.response_format.json_schema.schema if isinstance(body.response_format,
-                                                                   ResponseFormatJSONSchema) else None
+    spec = body.response_format.json_schema if isinstance(body.response_format, ResponseFormatJSONSchema) else None
     return Plan(
         model=body.model,
         prompt=chat_input(body),
@@ -133,7 +132,8 @@ def chat_plan(body: ChatCompletionRequest) -> Plan:
         force_tool_call=choice == "required" or isinstance(choice, NamedToolChoice),
         parallel_tool_calls=body.parallel_tool_calls is not False,
         json_output=isinstance(body.response_format, (ResponseFormatJSONObject, ResponseFormatJSONSchema)),
-        json_schema=schema,
+        json_schema=spec.schema if spec is not None else None,
+        json_schema_strict=spec is not None and spec.strict is True,
         keep_alive_s=keep_alive_seconds(body.keep_alive),
     )
 

@@ -110,6 +110,7 @@ class Plan:
     parallel_tool_calls: bool = True  # False: only a choice's first call is returned
     json_output: bool = False  # the output must be JSON ...
     json_schema: dict | None = None  # ... following this schema, when there is one
+    json_schema_strict: bool = False  # a keyword the grammar cannot enforce is a 400 (else it goes unenforced)
     messages_param: str = "messages"  # the body's name for the conversation, for errors
     keep_alive_s: float | None = None  # how long the model stays loaded once idle (None: --keep-alive)
     stream_keepalive_s: float | None = None  # a stream's KEEPALIVE every so often (None: none)
@@ -131,7 +132,7 @@ class Plan:
                                "use tool_choice auto", param="tool_choice")
             return forced_tool_call_grammar(self.tools, tool_family, tokens)
         if self.json_output:
-            return json_schema_grammar(self.json_schema)
+            return json_schema_grammar(self.json_schema, strict=self.json_schema_strict)
         return None
 
 

@@ -71,8 +71,33 @@ def test_json_object_output_parses(client):
     assert isinstance(json.loads(response.choices[0].message.content), dict)
 
 
+def test_a_schema_not_strict_leaves_what_the_grammar_cannot_enforce_unenforced(client):
+    """Pydantic writes uniqueItems for a set: a 400 only where the request asks for strict."""
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                                                        "uniqueItems": True, "maxItems": 3}},
+              "required": ["tags"], "additionalProperties": False}
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=ASK, max_tokens=120, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "tags", "schema": schema}})
+    tags = json.loads(response.choices[0].message.content)["tags"]
+    assert isinstance(tags, list) and len(tags) <= 3 and all(isinstance(t, str) and len(t) <= 8 for t in tags)
+    with pytest.raises(openai.BadRequestError, match="uniqueItems"):
+        client.chat.completions.create(model=MODEL_NAME, messages=ASK, max_tokens=8,
+                                       response_format=json_schema_format(schema))
+
+
+def deeply_nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 @pytest.mark.parametrize("schema", [{"$ref": "#/definitions/nowhere"}, {"type": "integer", "minimum": "low"},
-                                    {"type": "object", "properties": {"a": {"type": "strange"}}}])
+                                    {"type": "object", "properties": {"a": {"type": "strange"}}},
+                                    # Past the bounds: its grammar would take seconds to build, or recurse too deep.
+                                    {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(6000)}},
+                                    deeply_nested(900)])
 def test_unsupported_schema_is_a_400(server, schema):
     response = server.http.post("/v1/chat/completions", json={
         "model": MODEL_NAME, "messages": ASK, "response_format": json_schema_format(schema)})
