@@ -100,7 +100,8 @@ def test_definitions_a_schema_refers_to_stay_within_reach(tokenizer, family):
     assert not accepts(tokenizer, grammar, text.replace("3", '"three"', 1))
 
 
-def test_string_formats_llguidance_does_not_know_are_annotations(tokenizer):
+@pytest.mark.parametrize("strict", [False, True])
+def test_string_formats_llguidance_does_not_know_are_annotations(tokenizer, strict):
     """Pydantic writes `password`, `binary`, `path`; OpenAPI `byte`: llguidance refused the whole
     schema (a 400). Known formats still hold, the rest of the schema too, and data is left alone."""
     schema = {"type": "object", "additionalProperties": False, "required": ["secret", "when"], "properties": {
@@ -111,7 +112,7 @@ def test_string_formats_llguidance_does_not_know_are_annotations(tokenizer):
         "default": {"type": "string", "format": "password"},  # a property named as a keyword
         "format": {"type": "string", "format": "byte"},
     }}
-    grammar = json_schema_grammar(schema)
+    grammar = json_schema_grammar(schema, strict=strict)
     assert accepts(tokenizer, grammar, '{"secret": "abc", "when": "2026-11-26"}')
     assert not accepts(tokenizer, grammar, '{"secret": "abcd", "when": "2026-11-26"}')  # maxLength holds
     assert not accepts(tokenizer, grammar, '{"secret": "abc", "when": "soon"}')  # a known format holds
@@ -142,3 +143,12 @@ def test_a_tagged_format_holds_an_argument_to_its_enum_and_length(tokenizer, fam
     # What the grammar let through reads back as the schema has it: 2, not "2".
     _, calls = ToolCallParser(family, [tool], load_tool_format(family)).feed(call(good), True)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"v": json.loads(good) if good == "2" else good})]
+
+
+def test_a_schemas_own_guidance_that_is_no_object_is_ignored(tokenizer):
+    """It was merged into mlxd's settings as a mapping: a 500 for a string."""
+    parameters = {**TOOL["function"]["parameters"], "x-guidance": "whatever"}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+    tokens = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
+    assert accepts(tokenizer, forced_tool_call_grammar([tool], "hermes", tokens), CALLS["hermes"][1])
+    assert accepts(tokenizer, json_schema_grammar(parameters), json.dumps(ARGUMENTS))
