@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import math
 import uuid
@@ -11,12 +12,12 @@ from array import array
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.errors import APIError, decode_body
+from gateway.errors import CANCELLED, APIError, decode_body
 from gateway.openai_schema import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
 from gateway.plan import keep_alive_seconds
 from gateway.pool import Unavailable
 from gateway.responses import MsgspecResponse
-from gateway.serving import Serving, tokenize, unavailable
+from gateway.serving import Serving, tokenize, unavailable, unless_client_leaves
 from gateway.worker_link import WorkerRejected, WorkerState, WorkerUnavailable
 
 
@@ -61,7 +62,15 @@ class EmbeddingsAPI:
             # runs the inputs one after another, so the largest is what the request holds at once.
             footprint = worker.hello.kv_footprint
             await lease.reserve(footprint, other=max(footprint.bytes_for(len(t)) for t in token_lists))
-            result = await serving.link.embed(f"embd-{uuid.uuid4().hex}", token_lists, worker)
+            # Given up on (the client gone, or past --request-timeout-s), the request's Abort
+            # drops the rest of its inputs in the worker, where later requests wait behind them.
+            embedding = serving.link.embed(f"embd-{uuid.uuid4().hex}", token_lists, worker)
+            result = await unless_client_leaves(
+                request, asyncio.wait_for(embedding, serving.settings.request_timeout_s or None))
+            if result is None:
+                raise APIError(CANCELLED, "the client went away")
+        except TimeoutError:
+            raise serving.timed_out() from None
         except Unavailable as e:
             raise unavailable(str(e), e.code) from None
         except WorkerUnavailable as e:

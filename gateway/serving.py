@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, cast
@@ -465,18 +465,24 @@ def delta_error(delta: Delta) -> APIError:
 
 async def collect(request: Request, deltas: AsyncGenerator[Delta], n: int) -> list[Choice] | None:
     """Every choice's whole text; None if the client left first (the generation is then closed)."""
-    collecting = asyncio.ensure_future(_collect(deltas, n))
+    return await unless_client_leaves(request, _collect(deltas, n))
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T | None:
+    """What `work` returns; None if the client disconnects first, and the work
+    is then cancelled (a non-streaming request's answer nobody waits for)."""
+    working = asyncio.ensure_future(work)
     disconnected = asyncio.ensure_future(_client_gone(request))
     try:
-        await asyncio.wait({collecting, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({working, disconnected}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        finished = collecting.done()
+        finished = working.done()
         disconnected.cancel()
-        collecting.cancel()
-        await asyncio.gather(collecting, disconnected, return_exceptions=True)
+        working.cancel()
+        await asyncio.gather(working, disconnected, return_exceptions=True)
     if not finished:
         return None
-    return collecting.result()
+    return working.result()
 
 
 async def _collect(deltas: AsyncGenerator[Delta], n: int) -> list[Choice]:

@@ -263,8 +263,9 @@ class WorkerLink:
             return await answer
         finally:
             self._embeds.pop(request_id, None)
-            if not answer.done() and worker.identity in self.workers:
-                self._send(worker.identity, Abort([request_id]))  # given up on here (cancelled): not worth its steps
+            # Given up on here (cancelled, which cancels the awaited answer too): not worth its steps.
+            if (answer.cancelled() or not answer.done()) and worker.identity in self.workers:
+                self._send(worker.identity, Abort([request_id]))
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop requests whose client is done with them, and tell their workers

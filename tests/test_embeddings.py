@@ -6,7 +6,9 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+import time
 
+import httpx
 import mlx.core as mx
 import numpy as np
 import openai
@@ -117,3 +119,16 @@ def test_a_large_embeddings_request_goes_in_pieces_between_a_streams_steps(tiny_
         assert stream.is_alive() and during >= 30, during  # run whole, the embedding left the stream no step
         stream.join(120)
         assert stream.failure is None and stream.errors == [] and stream.done
+
+
+def test_a_client_that_gives_up_on_its_embeddings_costs_the_next_request_nothing(server):
+    """The worker embeds requests one after another: one whose client left went on to its last input
+    (some 15 s of work here) while the next request waited behind it."""
+    ids = [(7 * i) % 380 + 3 for i in range(200)]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/embeddings", json={"model": MODEL_NAME, "input": [ids] * 2000},
+                   timeout=httpx.Timeout(30, read=0.5))
+    started = time.monotonic()
+    response = server.http.post("/v1/embeddings", json={"model": MODEL_NAME, "input": "x"})
+    assert response.status_code == 200
+    assert time.monotonic() - started < 4
