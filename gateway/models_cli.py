@@ -121,7 +121,7 @@ def rm_main(argv: list[str]) -> int:
         # A hub repo's snapshots link to its blobs: each file counted once.
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
         shutil.rmtree(path)
-        for suffix in (".gguf", ".gguf.partial", ".gguf.version"):  # what a pull of it left (not a glob: names may hold [ ])
+        for suffix in (".gguf", ".gguf.from", ".gguf.partial", ".gguf.version"):  # what a pull of it left (not a glob: names may hold [ ])
             (cache_dir() / "downloads" / f"{path.name}{suffix}").unlink(missing_ok=True)
         print(f"removed {name} ({format_size(size)})")
     return 0

@@ -277,3 +277,25 @@ def test_keys_generate_never_replaces_a_pair_unasked(tmp_path):
     assert generate("--name", "gateway", "--force").returncode == 0
     assert (tmp_path / "keys" / "gateway.key").read_text() != first
     assert generate("--name", "../escaped").returncode == 2 and not (tmp_path / "escaped.key").exists()
+
+
+def test_an_import_interrupted_keeps_the_download_for_the_next_pull(gguf, monkeypatch, tmp_path):
+    """Ctrl-C while a pulled URL's file is imported: the download was removed, and the message said a pull
+    would go on where it stopped (a model of tens of GB downloaded again)."""
+    import worker.pull
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    server = SlowFileServer(gguf.read_bytes(), delay_s=0)
+    try:
+        with monkeypatch.context() as patched:
+            def interrupted(*args):
+                raise KeyboardInterrupt
+            patched.setattr(worker.pull, "import_gguf", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                worker.pull.pull(server.url)
+        directory, name = worker.pull.pull(server.url)
+    finally:
+        server.close()
+    assert server.ranges == [None]  # one download
+    assert name == "tinyp" and (directory / "config.json").is_file()
+    assert list((tmp_path / "cache" / "mlxd" / "downloads").iterdir()) == []

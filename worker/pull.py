@@ -60,17 +60,27 @@ def pull(source: str, name: str | None = None) -> tuple[Path, str]:
         return model, name
     downloads = cache_dir() / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
-    partial = downloads / f"{name}.gguf.partial"
-    fetch(source, partial, name)
-    gguf = partial.with_suffix("")
-    partial.rename(gguf)
+    gguf = downloads / f"{name}.gguf"
+    origin = downloads / f"{name}.gguf.from"  # the URL a whole download kept there came from
+    if not (remote and gguf.is_file() and origin.is_file() and origin.read_text() == source):
+        partial = downloads / f"{name}.gguf.partial"
+        fetch(source, partial, name)
+        partial.rename(gguf)
+        origin.write_text(source)
     print(f"importing {name} into {model}", file=sys.stderr)
+    kept = False
     try:
         import_gguf(gguf, model)
     except GGUFError as e:
         raise PullError(f"{source} cannot be imported: {e}") from None
-    finally:  # imported or not, the download is done with (a file nothing lists or removes otherwise)
-        gguf.unlink(missing_ok=True)
+    except BaseException:
+        # Interrupted (Ctrl-C, a full disk): a URL's download is imported by the next pull, not fetched again.
+        kept = remote
+        raise
+    finally:  # else imported or not, the download is done with (a file nothing lists or removes otherwise)
+        if not kept:
+            gguf.unlink(missing_ok=True)
+            origin.unlink(missing_ok=True)
     return model, name
 
 
