@@ -140,7 +140,7 @@ def hugging_face(repo: str) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(repo, allow_patterns=HF_PATTERNS))
+        snapshot = Path(snapshot_download(repo, allow_patterns=HF_PATTERNS))
     except LocalEntryNotFoundError as e:
         if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
             raise ModelNotFound(f"model {repo!r}: HF_HUB_OFFLINE is set and it is not in the local cache") from None
@@ -148,6 +148,14 @@ def hugging_face(repo: str) -> Path:
                             f"({download_failure(e)}) and it is not in the local cache") from None
     except (HfHubHTTPError, OSError, ValueError) as e:
         raise ModelNotFound(f"model {repo!r}: could not get it from Hugging Face ({download_failure(e)})") from None
+    # What the patterns left out: a GGUF-only repo (the -GGUF repos Ollama users reach for), PyTorch's .bin weights.
+    if not (snapshot / "config.json").is_file():
+        raise ModelNotFound(f"model {repo!r} has no config.json: not a model directory mlxd serves (for a repo of "
+                            ".gguf files, pull one file's URL: https://huggingface.co/OWNER/NAME/resolve/main/FILE.gguf)")
+    if not any(snapshot.glob("*.safetensors")):
+        raise ModelNotFound(f"model {repo!r} has no .safetensors weights (mlxd does not read PyTorch's .bin files): "
+                            "take its MLX conversion (mlx-community/...) or its safetensors version")
+    return snapshot
 
 
 def download_failure(error: BaseException) -> str:
