@@ -79,9 +79,12 @@ def local_model(source: str) -> Path | None:
 
 
 def hub_cache() -> Path:
-    """Where huggingface_hub keeps the repos it downloaded."""
-    return Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME") or
-                                                        Path.home() / ".cache" / "huggingface") / "hub")
+    """Where huggingface_hub keeps the repos it downloaded, found as it finds it
+    (without importing it, a quarter of a second)."""
+    if cache := os.environ.get("HF_HUB_CACHE"):
+        return Path(cache).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
+    return Path(home).expanduser() / "hub"
 
 
 def _weight_files_size(directory: Path) -> int:
