@@ -31,7 +31,7 @@ from pathlib import Path
 
 import msgspec
 
-from gateway.settings import GatewaySettings, PoolSettings
+from gateway.settings import GatewaySettings, PoolSettings, check_model_names
 from protocol import PROTOCOL_VERSION
 from protocol.packages import MLX_PACKAGES, installed_version
 from protocol.settings import add_arguments, parse_settings, resolve
@@ -103,9 +103,7 @@ def serve_main(argv: list[str]) -> int:
         names = [announced_name(ws) for ws in worker_settings]
         if len(names) != len(set(names)):
             raise ValueError(f"--model: two models have one name ({', '.join(names)}); name them as NAME=SOURCE")
-        if len(names) > 1 and gateway_settings.served_model_name:
-            raise ValueError("--served-model-name names the one model; with several, give each --model as "
-                             "NAME=SOURCE")
+        check_model_names(gateway_settings, len(names))
     except ValueError as e:
         os.rmdir(runtime)
         parser.error(str(e))

@@ -37,7 +37,7 @@ from typing import TypeVar
 import msgspec
 
 from gateway.security import KeyRing, keys_required
-from gateway.settings import GatewaySettings
+from gateway.settings import GatewaySettings, check_model_names
 from protocol.settings import add_arguments, resolve, to_environment
 from protocol.worker_settings import WorkerSettings, announced_name, split_model
 
@@ -172,6 +172,16 @@ def worker_jobs(worker: WorkerSettings, models: list[str]) -> dict[str, WorkerSe
     return jobs
 
 
+# Where models are found (mlxd's cache, huggingface_hub's), as the installing
+# shell sets them: the jobs look where `mlxd pull` put them, not download again.
+HUB_VARIABLES = ("XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE")
+
+
+def hub_variables() -> dict[str, str]:
+    return {name: str(Path(value).expanduser().absolute()) if name != "HF_HUB_OFFLINE" else value
+            for name in HUB_VARIABLES if (value := os.environ.get(name))}
+
+
 def worker_job(model: str) -> str:
     """A model's worker job: its name made a label and a file name (a hub repo id's "/" is neither)."""
     return "worker." + re.sub(r"[^\w.-]", "_", model)
@@ -180,7 +190,8 @@ def worker_job(model: str) -> str:
 def render(layout: Layout, gateway: GatewaySettings, workers: dict[str, WorkerSettings]) -> dict[str, dict]:
     """The job definitions (the gateway, then each worker), as dicts ready for plistlib."""
     names = {"MLXD": str(mlxd_executable()), "LOG_DIR": str(layout.log_dir), "HOME": str(layout.home)}
-    common = {"HOME": str(layout.home), "PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "MLXD_WORKER_ENDPOINT": layout.endpoint}
+    common = {"HOME": str(layout.home), "PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "MLXD_WORKER_ENDPOINT": layout.endpoint,
+              **hub_variables()}
     jobs = {}
     for job, settings in (("gateway", gateway), *workers.items()):
         with open(DEPLOY / f"{PREFIX}{job.partition('.')[0]}.plist", "rb") as f:
@@ -382,6 +393,7 @@ def main(argv: list[str]) -> int:
                 parser.error("--dry-run and --output go together")
             gateway, keys = checked_gateway(layout, absolute_paths(resolve(GatewaySettings, args, environ={})))
             models = [absolute_model(m) for m in args.model or []]
+            check_model_names(gateway, len(models))
             args.model = None
             workers = worker_jobs(absolute_paths(resolve(WorkerSettings, args, environ={})), models)
             install(layout, render(layout, gateway, workers), keys, args.output)

@@ -112,6 +112,13 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     ] = None
 
 
+def check_model_names(settings: GatewaySettings, models: int) -> None:
+    """A ValueError for --served-model-name with several models: every worker
+    would announce that one name, and the models be taken for replicas of one."""
+    if models > 1 and settings.served_model_name:
+        raise ValueError("--served-model-name names the one model; with several, give each --model as NAME=SOURCE")
+
+
 class PoolSettings(msgspec.Struct, kw_only=True):
     """`mlxd serve`'s models: when they load and unload, and in what memory (docs/operations.md)."""
 

@@ -162,6 +162,25 @@ def test_several_models_get_a_worker_job_each(tmp_path):
                             "--model", "a=x/y", "--model", "a=z/w"], cwd=ROOT, capture_output=True, text=True,
                            timeout=60)
     assert twice.returncode == 1 and "two models would have one worker job" in twice.stderr
+    one_name = subprocess.run([*MLXD, "launchd", "install", "--dry-run", "--output", str(tmp_path / "named"),
+                               "--model", "chat=x/y", "--model", "coder=z/w", "--served-model-name", "gpt-4"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert one_name.returncode == 1 and "--served-model-name names the one model" in one_name.stderr
+
+
+def test_the_jobs_find_models_where_the_installing_shell_keeps_them(tmp_path):
+    """A repo pulled onto another disk (HF_HOME), a model pulled into another cache (XDG_CACHE_HOME): the
+    jobs looked in the default places, downloading the repo again or restarting for a model not found."""
+    environ = {"HF_HOME": "~/hf", "XDG_CACHE_HOME": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "out"
+    result = subprocess.run([*MLXD, "launchd", "install", "--dry-run", "--output", str(out)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60, env={**os.environ, **environ})
+    assert result.returncode == 0, result.stderr
+    for job in ("gateway", "worker"):
+        with open(out / f"com.mlxd.{job}.plist", "rb") as f:
+            variables = plistlib.load(f)["EnvironmentVariables"]
+        assert variables["HF_HOME"] == os.path.expanduser("~/hf")
+        assert variables["XDG_CACHE_HOME"] == str(tmp_path / "cache") and variables["HF_HUB_OFFLINE"] == "1"
 
 
 def test_root_writing_the_key_file_for_a_user_gives_it_and_its_directory_to_them(tmp_path):
