@@ -82,7 +82,9 @@ def cached_models() -> dict[str, Path]:
     found: dict[str, Path] = {}
     models = cache_dir() / "models"
     if models.is_dir():
-        found.update({d.name: d for d in sorted(models.iterdir()) if (d / "config.json").is_file()})
+        # Not an import's staging directory (.NAME-xxxx), which a killed import leaves behind.
+        found.update({d.name: d for d in sorted(models.iterdir())
+                      if not d.name.startswith(".") and (d / "config.json").is_file()})
     hub = hub_cache()
     if hub.is_dir():
         for repo in sorted(hub.glob("models--*--*")):
@@ -171,9 +173,15 @@ def run_main(argv: list[str]) -> int:
         history.append({"role": "assistant", "content": answer})
 
 
+# A reasoning model's thinking, shown dimmed on a terminal (as ollama run shows it) and kept out of the history.
+DIM, PLAIN = ("\x1b[2m", "\x1b[0m") if sys.stdout.isatty() else ("", "")
+
+
 def stream_answer(request: urllib.request.Request) -> str:
-    """Print an answer as it streams; what was printed (up to a Ctrl-C, which ends the request)."""
-    printed = []
+    """Print an answer as it streams, its reasoning first (dimmed); the answer
+    printed (up to a Ctrl-C, which ends the request)."""
+    printed: list[str] = []
+    thinking = cut = False
     try:
         with urllib.request.urlopen(request, timeout=600) as response:
             for raw in response:
@@ -184,12 +192,22 @@ def stream_answer(request: urllib.request.Request) -> str:
                     print(f"\nmlxd run: {event['error'].get('message')}", file=sys.stderr)
                     break
                 for choice in event.get("choices", []):
-                    text = choice.get("delta", {}).get("content") or ""
-                    printed.append(text)
-                    print(text, end="", flush=True)
+                    delta = choice.get("delta", {})
+                    if reasoning := delta.get("reasoning_content") or "":
+                        print(DIM + reasoning + PLAIN, end="", flush=True)
+                        thinking = True
+                    if text := delta.get("content") or "":
+                        if thinking:  # the answer on a line of its own
+                            print(flush=True)
+                            thinking = False
+                        printed.append(text)
+                        print(text, end="", flush=True)
+                    cut = cut or choice.get("finish_reason") == "length"
     except KeyboardInterrupt:
         pass  # closing the connection ends the request in the worker
     print()
+    if cut:
+        print("mlxd run: the answer was cut short (--max-tokens, or the model's context, ran out)", file=sys.stderr)
     return "".join(printed)
 
 

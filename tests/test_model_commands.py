@@ -19,6 +19,8 @@ import pytest
 
 from tests.conftest import MLXD, MODEL_NAME, ROOT, running, wait_for
 from tests.gguf_export import save_float_gguf, save_quantized_gguf
+from tests.scripted_model import make_scripted_model
+from tests.test_tools import SCRIPTS
 
 SLOW_CHUNK = 16 << 10
 
@@ -138,25 +140,52 @@ def test_pull_of_a_local_file_list_and_rm(gguf, cache, tmp_path):
 
 def test_run_chats_in_a_terminal(server, reference):
     first_question, second_question = "Tell me about the sea.", "And the sky?"
-    first = reference.greedy(reference.chat_prompt([{"role": "user", "content": first_question}]), 8).text
+    first = reference.greedy(reference.chat_prompt([{"role": "user", "content": first_question}]), 8)
     second = reference.greedy(reference.chat_prompt([
-        {"role": "user", "content": first_question}, {"role": "assistant", "content": first},
-        {"role": "user", "content": second_question}]), 8).text
+        {"role": "user", "content": first_question}, {"role": "assistant", "content": first.text},
+        {"role": "user", "content": second_question}]), 8)
 
     chat = pexpect.spawn(MLXD[0], ["run", MODEL_NAME, "--url", server.url, "--temperature", "0", "--max-tokens", "8"],
                          cwd=str(ROOT), encoding="utf-8", timeout=60)
+
+    def answers(expected) -> None:
+        chat.expect_exact(expected.text.replace("\n", "\r\n") + "\r\n")
+        if expected.finish_reason == "length":
+            chat.expect_exact("mlxd run: the answer was cut short")
+        chat.expect_exact(">>> ")
+
     try:
         chat.expect_exact(">>> ")
         chat.sendline(first_question)
         chat.expect_exact(first_question + "\r\n")
-        chat.expect_exact(first.replace("\n", "\r\n") + "\r\n>>> ")
+        answers(first)
         chat.sendline(second_question)
         chat.expect_exact(second_question + "\r\n")
-        chat.expect_exact(second.replace("\n", "\r\n") + "\r\n>>> ")
+        answers(second)
         chat.sendline("/bye")
         chat.expect(pexpect.EOF)
     finally:
         chat.close()
+    assert chat.exitstatus == 0
+
+
+def test_run_shows_a_reasoning_models_thinking_dimmed_before_its_answer(tmp_path):
+    """The thinking came as reasoning_content, which `mlxd run` did not print: a long blank pause."""
+    markers, script = SCRIPTS["reasoning"]
+    path = make_scripted_model(tmp_path / "model", script, markers)
+    with running(["serve", "--model", str(path), "--served-model-name", "scripted"], tmp_path / "serve.log") as srv:
+        chat = pexpect.spawn(MLXD[0], ["run", "scripted", "--url", srv.url, "--temperature", "0"], cwd=str(ROOT),
+                             encoding="utf-8", timeout=60)
+        try:
+            chat.expect_exact(">>> ")
+            chat.sendline("What is the capital of France?")
+            chat.expect_exact("\x1b[2m")
+            chat.expect_exact("The user wants the capital.")
+            chat.expect_exact("\x1b[0m\r\nParis.\r\n>>> ")
+            chat.sendeof()
+            chat.expect(pexpect.EOF)
+        finally:
+            chat.close()
     assert chat.exitstatus == 0
 
 
