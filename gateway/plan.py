@@ -122,18 +122,27 @@ class Plan:
     def grammar(self, tool_family: str | None, tokens: Mapping[str, int] | None = None) -> str | None:
         """The grammar the output must follow: a forced tool call (in the
         model's tool-call format, `tool_family`; None: one with no grammar;
-        `tokens`: the model's added tokens), or JSON."""
-        if self.force_tool_call and self.json_output:
-            raise APIError(400, "a forced tool_choice and a JSON response_format cannot both constrain the output",
-                           param="response_format")
-        if self.force_tool_call and self.tools:
+        `tokens`: the model's added tokens), JSON, or beside tools the model
+        may call, JSON or a call (an agent asked for a typed final answer)."""
+        if self.force_tool_call and self.tools:  # a call is the answer, whatever the response_format
             if tool_family is None:
                 raise APIError(400, "a forced tool_choice is not supported for this model's tool-call format; "
                                "use tool_choice auto", param="tool_choice")
             return forced_tool_call_grammar(self.tools, tool_family, tokens)
+        if self.json_output and self.calls_beside_json(tool_family):
+            assert self.tools is not None and tool_family is not None
+            answer = self.json_schema or {"type": "object"}
+            return forced_tool_call_grammar(self.tools, tool_family, tokens, answer_schema=answer,
+                                            strict=self.json_schema_strict)
         if self.json_output:
             return json_schema_grammar(self.json_schema, strict=self.json_schema_strict)
         return None
+
+    def calls_beside_json(self, tool_family: str | None) -> bool:
+        """Whether a JSON response_format leaves the model its tools: where their
+        calls have a grammar and do not read as JSON answers (llama3's calls
+        are bare JSON objects)."""
+        return bool(self.tools) and tool_family not in (None, "llama3")
 
 
 @dataclass(frozen=True)

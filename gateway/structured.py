@@ -101,7 +101,6 @@ def json_schema_grammar(schema: dict | None, param: str = "response_format", str
         raise APIError(400, f"unsupported schema: {e}", param=param, code="unsupported_schema") from None
     return _validated(grammar, param)
 
-
 # Where a schema keeps the definitions its `$ref`s name (`#/$defs/...`), as
 # Pydantic's and MCP's tool schemas do: they must stay at the root of the
 # schema the grammar is made of, wherever the tool's parameters end up in it.
@@ -228,12 +227,17 @@ def _call_rule(tool: dict, family: str, tokens: Mapping[str, int]) -> str:
 
 
 def forced_tool_call_grammar(tools: list[dict], family: str, tokens: Mapping[str, int] | None = None,
-                             param: str = "tool_choice") -> str:
+                             param: str = "tool_choice", answer_schema: dict | None = None,
+                             strict: bool = False) -> str:
     """Output that is exactly one call of one of `tools`, in the model's own
     tool-call format (one of FAMILY_OF_PARSER's values); `tokens`: the model's
-    added tokens, by text."""
+    added tokens, by text. With `answer_schema` (a JSON response_format beside
+    tools the model may call), that JSON answer instead of a call is allowed too."""
     _bounded(tools, "tools")
     rules = [_call_rule(tool, family, tokens or {}) for tool in tools]
-    lark = "start: " + " | ".join(f"call{i}" for i in range(len(rules))) + "\n" + "".join(
-        f"call{i}: {rule}\n" for i, rule in enumerate(rules))
+    if answer_schema is not None:
+        _bounded(answer_schema, "response_format")
+        rules.append(f"%json {json.dumps(_compact(answer_schema, strict))}")
+    lark = "start: " + " | ".join(f"choice{i}" for i in range(len(rules))) + "\n" + "".join(
+        f"choice{i}: {rule}\n" for i, rule in enumerate(rules))
     return _validated(llguidance.LLMatcher.grammar_from_lark(lark), param)

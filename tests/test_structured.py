@@ -140,8 +140,33 @@ def test_anthropic_tool_choice_any_forces_tool_use(server):
     assert block.name == "get_time" and block.input["zone"] in ("UTC", "CET")
 
 
-def test_forced_tool_and_json_format_conflict(server):
-    response = server.http.post("/v1/chat/completions", json={
-        "model": MODEL_NAME, "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
-        "response_format": {"type": "json_object"}})
-    assert response.status_code == 400
+@pytest.mark.parametrize("call", [True, False])
+def test_tools_beside_a_json_response_format_may_be_called(client, reference, call):
+    """An agent asked for a typed final answer (the OpenAI Agents SDK's output_type, Vercel's `output`) sends its
+    tools with a response_format: the format's grammar held the model to JSON, and no tool was ever called. Now
+    the answer is that JSON or a call; which one, the model picks (here a bias on the call's first byte does)."""
+    answer = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 20}},
+              "required": ["answer"], "additionalProperties": False}
+    opening = reference.tokenizer.convert_tokens_to_ids("<")
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=ASK, max_tokens=120, temperature=0, tools=[WEATHER],
+        logit_bias={str(opening): 100 if call else -100},
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": answer}})
+    choice = response.choices[0]
+    if call:
+        assert choice.finish_reason == "tool_calls"
+        (tool_call,) = choice.message.tool_calls
+        jsonschema.validate(json.loads(tool_call.function.arguments), WEATHER["function"]["parameters"])
+    else:
+        assert choice.finish_reason == "stop" and not choice.message.tool_calls
+        jsonschema.validate(json.loads(choice.message.content), answer)
+
+
+def test_a_forced_call_wins_over_a_json_response_format(client):
+    """The answer is the call (OpenAI takes both; this was a 400)."""
+    response = client.chat.completions.create(model=MODEL_NAME, messages=ASK, max_tokens=120, temperature=0,
+                                              tools=[WEATHER], tool_choice="required",
+                                              response_format={"type": "json_object"})
+    (call,) = response.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])

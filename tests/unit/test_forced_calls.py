@@ -152,3 +152,14 @@ def test_a_schemas_own_guidance_that_is_no_object_is_ignored(tokenizer):
     tokens = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
     assert accepts(tokenizer, forced_tool_call_grammar([tool], "hermes", tokens), CALLS["hermes"][1])
     assert accepts(tokenizer, json_schema_grammar(parameters), json.dumps(ARGUMENTS))
+
+
+@pytest.mark.parametrize("family", sorted(set(CALLS) - {"llama3"}))
+def test_beside_a_json_answer_a_call_is_allowed_too(tokenizer, family):
+    tokens = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
+    answer = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    grammar = forced_tool_call_grammar([TOOL], family, tokens, answer_schema=answer)
+    assert accepts(tokenizer, grammar, CALLS[family][1])
+    assert accepts(tokenizer, grammar, '{"answer": "sunny"}')
+    assert not accepts(tokenizer, grammar, '{"city": "sunny"}')
+    assert not accepts(tokenizer, grammar, "It is sunny.")
