@@ -132,13 +132,18 @@ def named_tool(tools: list[dict], name: str) -> list[dict]:
     return chosen
 
 
+def _pieces(text: str, tokens: Mapping[str, int]) -> list[str]:
+    """`text` cut into the model's added tokens it holds and the text between them."""
+    found = sorted((t for t in tokens if len(t) > 1 and not t.isspace() and t in text), key=len, reverse=True)
+    parts = re.split("(" + "|".join(map(re.escape, found)) + ")", text) if found else [text]
+    return [part for part in parts if part]
+
+
 def _text(text: str, tokens: Mapping[str, int]) -> str:
     """Fixed text in lark, where any of the model's added tokens in it is written
     as that token (`<[id]>`): llguidance matches an added token only as itself,
     never by its text, and a model writes its format's markers as those tokens."""
-    found = sorted((t for t in tokens if len(t) > 1 and not t.isspace() and t in text), key=len, reverse=True)
-    parts = re.split("(" + "|".join(map(re.escape, found)) + ")", text) if found else [text]
-    return " ".join(f"<[{tokens[part]}]>" if part in found else json.dumps(part) for part in parts if part)
+    return " ".join(f"<[{tokens[part]}]>" if part in tokens else json.dumps(part) for part in _pieces(text, tokens))
 
 
 def _arguments(schema: dict | None) -> str:
@@ -171,11 +176,29 @@ FAMILY_OF_PARSER = {"json_tools": "hermes", "mistral": "mistral", **{name: name 
 COMPOSITE = ("$ref", "anyOf", "oneOf", "allOf", "const")
 
 
-def _tagged_value(schema: dict | bool, close: str, tokens: Mapping[str, int], definitions: dict) -> str:
-    """One argument's value and its closing tag. Text is written raw: up to
-    the closing tag's `<` (so it may not hold one), or one of its enum values.
-    A schema of `true` (JSON Schema's "anything") is text; one that refers to
-    a definition or combines schemas is JSON, with the definitions beside it."""
+def _raw_text(pattern: str, close: str, tokens: Mapping[str, int], lazy: dict[tuple[str, str], str]) -> str:
+    """Text matching `pattern`, then `close`: the text may hold anything but the
+    closing tag itself (HTML, `a < b` in a file's contents). A tag that starts
+    with an added token ends the text by itself (no text holds the token); one
+    of plain text ends a lazy rule of `lazy` (its definition, by pattern and
+    stop), which stops at the tag's first text."""
+    first, *rest = _pieces(close, tokens)
+    if first in tokens:
+        return f"/{pattern}/ {_text(close, tokens)}"
+    name = lazy.setdefault((pattern, first), f"text{len(lazy)}")
+    return " ".join([name, *([_text("".join(rest), tokens)] if rest else [])])
+
+
+def _lazy_rules(lazy: dict[tuple[str, str], str]) -> str:
+    return "".join(f"{name}[stop={json.dumps(stop)}]: /{pattern}/\n" for (pattern, stop), name in lazy.items())
+
+
+def _tagged_value(schema: dict | bool, close: str, tokens: Mapping[str, int], definitions: dict,
+                  lazy: dict[tuple[str, str], str]) -> str:
+    """One argument's value and its closing tag. Text is written raw (_raw_text),
+    or one of its enum values. A schema of `true` (JSON Schema's "anything") is
+    text; one that refers to a definition or combines schemas is JSON, with the
+    definitions beside it."""
     if not isinstance(schema, dict):
         schema = {}
     if isinstance(schema.get("enum"), list) and schema["enum"]:
@@ -187,12 +210,12 @@ def _tagged_value(schema: dict | bool, close: str, tokens: Mapping[str, int], de
         low = low if isinstance(low, int) and low > 0 else 0
         high = high if isinstance(high, int) and high >= low else None
         if low or high is not None:  # held to the schema's length, the tag's own newline after it
-            return f"/[^<]{{{low},{'' if high is None else high}}}/ " + _text(close, tokens)
-        return "/[^<]*/ " + _text(close.lstrip("\n"), tokens)  # the newline before the tag is the value's
+            return _raw_text(f"(?s:.{{{low},{'' if high is None else high}}})", close, tokens, lazy)
+        return _raw_text("(?s:.*)", close.lstrip("\n"), tokens, lazy)  # the newline before the tag is the value's
     return f"{_arguments({**schema, **definitions})} {_text(close, tokens)}"
 
 
-def _tagged_call(tool: dict, family: str, tokens: Mapping[str, int]) -> str:
+def _tagged_call(tool: dict, family: str, tokens: Mapping[str, int], lazy: dict[tuple[str, str], str]) -> str:
     """A call with each required argument, and each optional one or not, in the schema's order."""
     call_open, arg_open, arg_close, call_close = TAGGED[family]
     function = tool["function"]
@@ -203,18 +226,18 @@ def _tagged_call(tool: dict, family: str, tokens: Mapping[str, int]) -> str:
     properties = properties if isinstance(properties, dict) else {}
     arguments = []
     for key, value in properties.items():
-        value_rule = _tagged_value(value, arg_close, tokens, _definitions(schema))
+        value_rule = _tagged_value(value, arg_close, tokens, _definitions(schema), lazy)
         argument = f"{_text(arg_open.format(key=key), tokens)} {value_rule}"
         arguments.append(argument if key in required else f"({argument})?")
     return " ".join([_text(call_open.format(name=function["name"]), tokens), *arguments,
                      _text(call_close, tokens)])
 
 
-def _call_rule(tool: dict, family: str, tokens: Mapping[str, int]) -> str:
+def _call_rule(tool: dict, family: str, tokens: Mapping[str, int], lazy: dict[tuple[str, str], str]) -> str:
     """The lark rule for one call of `tool` in `family`'s format."""
     name, parameters = tool["function"]["name"], tool["function"].get("parameters")
     if family in TAGGED:
-        return _tagged_call(tool, family, tokens)
+        return _tagged_call(tool, family, tokens, lazy)
     if family in JSON_BODY:
         header, end = JSON_BODY[family]
         return f"{_text(header.format(name=name), tokens)} {_arguments(parameters)} {_text(end, tokens)}"
@@ -234,10 +257,11 @@ def forced_tool_call_grammar(tools: list[dict], family: str, tokens: Mapping[str
     added tokens, by text. With `answer_schema` (a JSON response_format beside
     tools the model may call), that JSON answer instead of a call is allowed too."""
     _bounded(tools, "tools")
-    rules = [_call_rule(tool, family, tokens or {}) for tool in tools]
+    lazy: dict[tuple[str, str], str] = {}  # the tagged formats' text values
+    rules = [_call_rule(tool, family, tokens or {}, lazy) for tool in tools]
     if answer_schema is not None:
         _bounded(answer_schema, "response_format")
         rules.append(f"%json {json.dumps(_compact(answer_schema, strict))}")
     lark = "start: " + " | ".join(f"choice{i}" for i in range(len(rules))) + "\n" + "".join(
-        f"choice{i}: {rule}\n" for i, rule in enumerate(rules))
+        f"choice{i}: {rule}\n" for i, rule in enumerate(rules)) + _lazy_rules(lazy)
     return _validated(llguidance.LLMatcher.grammar_from_lark(lark), param)

@@ -163,3 +163,14 @@ def test_beside_a_json_answer_a_call_is_allowed_too(tokenizer, family):
     assert accepts(tokenizer, grammar, '{"answer": "sunny"}')
     assert not accepts(tokenizer, grammar, '{"city": "sunny"}')
     assert not accepts(tokenizer, grammar, "It is sunny.")
+
+
+@pytest.mark.parametrize("family", ["qwen3_coder", "glm47", "minimax_m2"])
+def test_a_tagged_formats_text_argument_may_hold_what_its_tag_starts_with(tokenizer, family):
+    """HTML, generics, `a < b` in a file's contents: values were text up to the first `<`."""
+    tokens = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
+    grammar = forced_tool_call_grammar([TOOL], family, tokens)
+    parser_name, text = CALLS[family]
+    odd = "<p>a < b</p>\n<parameter"
+    assert accepts(tokenizer, grammar, text.replace("New York", odd))
+    assert parsed(family, parser_name, text.replace("New York", odd)) == [("get_weather", {**ARGUMENTS, "city": odd})]
