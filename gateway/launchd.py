@@ -174,11 +174,11 @@ def worker_jobs(worker: WorkerSettings, models: list[str]) -> dict[str, WorkerSe
 
 # Where models are found (mlxd's cache, huggingface_hub's), as the installing
 # shell sets them: the jobs look where `mlxd pull` put them, not download again.
-HUB_VARIABLES = ("XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE")
+HUB_VARIABLES = ("XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HUB_OFFLINE")
 
 
 def hub_variables() -> dict[str, str]:
-    return {name: str(Path(value).expanduser().absolute()) if name != "HF_HUB_OFFLINE" else value
+    return {name: str(Path(os.path.expandvars(value)).expanduser().absolute()) if name != "HF_HUB_OFFLINE" else value
             for name in HUB_VARIABLES if (value := os.environ.get(name))}
 
 

@@ -81,10 +81,13 @@ def local_model(source: str) -> Path | None:
 def hub_cache() -> Path:
     """Where huggingface_hub keeps the repos it downloaded, found as it finds it
     (without importing it, a quarter of a second)."""
-    if cache := os.environ.get("HF_HUB_CACHE"):
-        return Path(cache).expanduser()
+    def path(value: str | Path) -> Path:
+        return Path(os.path.expandvars(value)).expanduser()
+
+    if cache := os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE"):
+        return path(cache)
     home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
-    return Path(home).expanduser() / "hub"
+    return path(home) / "hub"
 
 
 def _weight_files_size(directory: Path) -> int:

@@ -114,19 +114,32 @@ def rm_main(argv: list[str]) -> int:
     parser.add_argument("name", nargs="+")
     args = parser.parse_args(argv)
     cached = cached_models()
-    missing = [n for n in args.name if n.removesuffix(":latest") not in cached]
+    names = list(dict.fromkeys(n.removesuffix(":latest") for n in args.name))  # `rm a a:latest` removes a once
+    missing = [n for n in names if n not in cached and not downloads_of(n)]
     if missing:
         print(f"mlxd rm: not in the cache: {', '.join(missing)} (see mlxd list)", file=sys.stderr)
         return 1
-    for name in dict.fromkeys(n.removesuffix(":latest") for n in args.name):  # `rm a a:latest` removes a once
-        path = cached[name]
+    for name in names:
+        path = cached.get(name)
         # A hub repo's snapshots link to its blobs: each file counted once.
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
-        shutil.rmtree(path)
-        for suffix in (".gguf", ".gguf.from", ".gguf.partial", ".gguf.version"):  # what a pull of it left (not a glob: names may hold [ ])
-            (cache_dir() / "downloads" / f"{path.name}{suffix}").unlink(missing_ok=True)
+        files = [f for f in path.rglob("*") if f.is_file() and not f.is_symlink()] if path is not None else []
+        left = downloads_of(path.name if path is not None else name)
+        size = sum(f.stat().st_size for f in [*files, *left])
+        if path is not None:
+            shutil.rmtree(path)
+        for file in left:
+            file.unlink(missing_ok=True)
         print(f"removed {name} ({format_size(size)})")
     return 0
+
+
+def downloads_of(name: str) -> list[Path]:
+    """What a pull of the GGUF named `name` left in the cache's downloads: a
+    partial download, or a whole one whose import was interrupted."""
+    downloads = cache_dir() / "downloads"
+    # Not a glob: names may hold [ ].
+    return [f for suffix in (".gguf", ".gguf.from", ".gguf.partial", ".gguf.version")
+            if "/" not in name and (f := downloads / f"{name}{suffix}").is_file()]
 
 
 def run_main(argv: list[str]) -> int:

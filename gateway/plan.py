@@ -144,6 +144,12 @@ class Plan:
         are bare JSON objects)."""
         return bool(self.tools) and tool_family not in (None, "llama3")
 
+    def parsed_tools(self, tool_family: str | None) -> list[dict] | None:
+        """The tools whose calls are read from the output: none where a JSON
+        response_format holds the answer to JSON alone (a "name" in it is data)."""
+        calls = not self.json_output or self.force_tool_call or self.calls_beside_json(tool_family)
+        return self.tools if calls else None
+
 
 @dataclass(frozen=True)
 class NamedTool:

@@ -319,11 +319,8 @@ class Serving:
         family, call_format = worker.tokenizer.tool_family, forced_call_format(worker)
         grammar = plan.grammar(call_format, worker.tokenizer.added_tokens)
         samplings = plan.sampling.samplings(worker.sampling, worker.hello.vocab_size, max_tokens, grammar)
-        # Under a JSON response_format without tools the reply is the JSON asked for, never a call (a "name" in it
-        # is data).
-        calls = not plan.json_output or plan.force_tool_call or plan.calls_beside_json(call_format)
         parsers = (stream_parsers(worker.reasoning_markers, family, prompt.text,
-                                  plan.tools if calls else None, worker.tool_format,
+                                  plan.parsed_tools(call_format), worker.tool_format,
                                   constrained=grammar is not None)
                    if isinstance(plan.prompt, ChatInput) else None)
         ids = [request_id] if len(samplings) == 1 else [f"{request_id}-{i}" for i in range(len(samplings))]

@@ -41,8 +41,8 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     drain_s: Annotated[
         float, Meta(ge=0, description="on SIGTERM, how long open streams may finish before they are ended")
     ] = 10.0
-    log_level: Annotated[Literal["debug", "info", "warning", "error"],
-                         Meta(description="debug, info, warning or error")] = "info"
+    log_level: Annotated[Literal["debug", "info", "warning", "error", "critical"],
+                         Meta(description="debug, info, warning, error or critical")] = "info"
     # ---- security (docs/security.md) ----
     api_key: Annotated[
         list[str],

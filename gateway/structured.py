@@ -132,18 +132,23 @@ def named_tool(tools: list[dict], name: str) -> list[dict]:
     return chosen
 
 
-def _pieces(text: str, tokens: Mapping[str, int]) -> list[str]:
-    """`text` cut into the model's added tokens it holds and the text between them."""
+def _pieces(text: str, tokens: Mapping[str, int]) -> list[tuple[str, int | None]]:
+    """`text` cut into the model's added tokens it holds (a marker's: longer than
+    a character, not whitespace), each with its id, and the text between them (None)."""
     found = sorted((t for t in tokens if len(t) > 1 and not t.isspace() and t in text), key=len, reverse=True)
     parts = re.split("(" + "|".join(map(re.escape, found)) + ")", text) if found else [text]
-    return [part for part in parts if part]
+    return [(part, tokens[part] if part in found else None) for part in parts if part]
+
+
+def _lark(pieces: list[tuple[str, int | None]]) -> str:
+    return " ".join(json.dumps(part) if token is None else f"<[{token}]>" for part, token in pieces)
 
 
 def _text(text: str, tokens: Mapping[str, int]) -> str:
     """Fixed text in lark, where any of the model's added tokens in it is written
     as that token (`<[id]>`): llguidance matches an added token only as itself,
     never by its text, and a model writes its format's markers as those tokens."""
-    return " ".join(f"<[{tokens[part]}]>" if part in tokens else json.dumps(part) for part in _pieces(text, tokens))
+    return _lark(_pieces(text, tokens))
 
 
 def _arguments(schema: dict | None) -> str:
@@ -180,17 +185,20 @@ def _raw_text(pattern: str, close: str, tokens: Mapping[str, int], lazy: dict[tu
     """Text matching `pattern`, then `close`: the text may hold anything but the
     closing tag itself (HTML, `a < b` in a file's contents). A tag that starts
     with an added token ends the text by itself (no text holds the token); one
-    of plain text ends a lazy rule of `lazy` (its definition, by pattern and
-    stop), which stops at the tag's first text."""
-    first, *rest = _pieces(close, tokens)
-    if first in tokens:
+    of plain text ends a lazy rule of `lazy` (its name, by pattern and the
+    tag's text up to any added token)."""
+    (first, token), *rest = _pieces(close, tokens)
+    if token is not None:
         return f"/{pattern}/ {_text(close, tokens)}"
     name = lazy.setdefault((pattern, first), f"text{len(lazy)}")
-    return " ".join([name, *([_text("".join(rest), tokens)] if rest else [])])
+    return " ".join([name, *([_lark(rest)] if rest else [])])
 
 
 def _lazy_rules(lazy: dict[tuple[str, str], str]) -> str:
-    return "".join(f"{name}[stop={json.dumps(stop)}]: /{pattern}/\n" for (pattern, stop), name in lazy.items())
+    """The lazy text rules, each ending at its tag's text (llguidance's `suffix`:
+    the text may not hold it, and the tag is matched as any text is, in whatever
+    tokens the model writes it)."""
+    return "".join(f"{name}[suffix={json.dumps(end)}]: /{pattern}/\n" for (pattern, end), name in lazy.items())
 
 
 def _tagged_value(schema: dict | bool, close: str, tokens: Mapping[str, int], definitions: dict,
@@ -260,7 +268,7 @@ def forced_tool_call_grammar(tools: list[dict], family: str, tokens: Mapping[str
     lazy: dict[tuple[str, str], str] = {}  # the tagged formats' text values
     rules = [_call_rule(tool, family, tokens or {}, lazy) for tool in tools]
     if answer_schema is not None:
-        _bounded(answer_schema, "response_format")
+        json_schema_grammar(answer_schema, strict=strict)  # its own 400s, naming response_format
         rules.append(f"%json {json.dumps(_compact(answer_schema, strict))}")
     lark = "start: " + " | ".join(f"choice{i}" for i in range(len(rules))) + "\n" + "".join(
         f"choice{i}: {rule}\n" for i, rule in enumerate(rules)) + _lazy_rules(lazy)

@@ -99,8 +99,8 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     curve_server_key: Annotated[
         str | None, Meta(description="the gateway's CURVE public key file; needed for tcp://")
     ] = None
-    log_level: Annotated[Literal["debug", "info", "warning", "error"],
-                         Meta(description="debug, info, warning or error")] = "info"
+    log_level: Annotated[Literal["debug", "info", "warning", "error", "critical"],
+                         Meta(description="debug, info, warning, error or critical")] = "info"
     distributed_hosts: Annotated[
         str,
         Meta(description="serve the model as one worker made of an mx.distributed group: one rank per "

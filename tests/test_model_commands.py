@@ -322,9 +322,23 @@ def test_an_import_interrupted_keeps_the_download_for_the_next_pull(gguf, monkey
             patched.setattr(worker.pull, "import_gguf", interrupted)
             with pytest.raises(KeyboardInterrupt):
                 worker.pull.pull(server.url)
+        downloads = tmp_path / "cache" / "mlxd" / "downloads"
+        assert sorted(f.name for f in downloads.iterdir()) == ["tinyp.gguf", "tinyp.gguf.from"]
         directory, name = worker.pull.pull(server.url)
     finally:
         server.close()
     assert server.ranges == [None]  # one download
     assert name == "tinyp" and (directory / "config.json").is_file()
     assert list((tmp_path / "cache" / "mlxd" / "downloads").iterdir()) == []
+
+
+def test_rm_removes_a_download_whose_import_was_interrupted(cache, tmp_path):
+    """No model of that name is in the cache, only what its pull kept: mlxd list does not show it."""
+    downloads = tmp_path / "cache" / "mlxd" / "downloads"
+    downloads.mkdir(parents=True)
+    (downloads / "big.gguf").write_bytes(b"GGUF" + bytes(1000))
+    (downloads / "big.gguf.from").write_text("http://example.invalid/big.gguf")
+    removed = mlxd("rm", "big", env=cache)
+    assert removed.returncode == 0 and "removed big" in removed.stdout
+    assert list(downloads.iterdir()) == []
+    assert mlxd("rm", "big", env=cache).returncode == 1

@@ -115,7 +115,8 @@ def pull_main(argv: list[str]) -> int:
     except (PullError, ModelNotFound, GGUFError, OSError) as e:
         return _fail(str(e))
     except KeyboardInterrupt:
-        return _fail("interrupted; pull again to go on (a download continues where it stopped)")
+        return _fail("interrupted; pull again to go on (a download continues where it stopped, and one whole is "
+                     "imported without downloading it again; `mlxd rm NAME` removes it)")
     print(f"pulled {model} into {directory}; serve it with: mlxd serve --model {model}")
     return 0
 

@@ -51,9 +51,9 @@ def pull(source: str, name: str | None = None) -> tuple[Path, str]:
     model = cache_dir() / "models" / name
     if (model / "config.json").is_file() and not is_current_import(model):
         # Not removed here: the directory may be a model someone put in the cache by hand.
-        print(f"{name} in the cache ({model}) is not an import of this mlxd's (an older one took K-quant "
-              f"files with wrong scales, and stopped at EOS only): `mlxd rm {name}` and pull again to redo it",
-              file=sys.stderr)
+        print(f"{name} in the cache ({model}) is not an import of this mlxd's (older ones took K-quant files "
+              f"with wrong scales, stopped at EOS only, and turned BF16 weights into float16): `mlxd rm {name}` "
+              "and pull again to redo it", file=sys.stderr)
         return model, name
     if (model / "config.json").is_file():
         print(f"{name} is already in the cache ({model})", file=sys.stderr)
@@ -73,9 +73,8 @@ def pull(source: str, name: str | None = None) -> tuple[Path, str]:
         import_gguf(gguf, model)
     except GGUFError as e:
         raise PullError(f"{source} cannot be imported: {e}") from None
-    except BaseException:
-        # Interrupted (Ctrl-C, a full disk): a URL's download is imported by the next pull, not fetched again.
-        kept = remote
+    except KeyboardInterrupt:
+        kept = remote  # a URL's download is imported by the next pull, not fetched again
         raise
     finally:  # else imported or not, the download is done with (a file nothing lists or removes otherwise)
         if not kept:

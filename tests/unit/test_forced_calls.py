@@ -8,6 +8,7 @@ import llguidance
 import pytest
 from tokenizers import AddedToken
 
+from gateway.errors import APIError
 from gateway.parsing import HarmonyParser, ToolCallParser
 from gateway.structured import TAGGED, forced_tool_call_grammar, json_schema_grammar
 from gateway.tool_formats import load_tool_format
@@ -174,3 +175,14 @@ def test_a_tagged_formats_text_argument_may_hold_what_its_tag_starts_with(tokeni
     odd = "<p>a < b</p>\n<parameter"
     assert accepts(tokenizer, grammar, text.replace("New York", odd))
     assert parsed(family, parser_name, text.replace("New York", odd)) == [("get_weather", {**ARGUMENTS, "city": odd})]
+
+
+def test_a_json_answer_beside_calls_is_refused_as_it_is_alone():
+    """Its 400 names response_format, not the tools (was tool_choice, quoting the grammar)."""
+    answer = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(APIError) as alone:
+        json_schema_grammar(answer, strict=True)
+    with pytest.raises(APIError) as beside:
+        forced_tool_call_grammar([TOOL], "hermes", answer_schema=answer, strict=True)
+    assert (beside.value.param, beside.value.message) == (alone.value.param, alone.value.message) == (
+        "response_format", alone.value.message)

@@ -34,14 +34,16 @@ def test_a_repo_without_a_config_or_weights_is_refused_naming_what_it_lacks(tmp_
 
 
 @pytest.mark.parametrize("environ", [{}, {"XDG_CACHE_HOME": "/tmp/xdg"}, {"HF_HOME": "~/hf", "XDG_CACHE_HOME": "/x"},
-                                     {"HF_HUB_CACHE": "/tmp/hub", "HF_HOME": "/tmp/hf"}])
+                                     {"HF_HUB_CACHE": "/tmp/hub", "HF_HOME": "/tmp/hf"}, {"HF_HOME": "$HOME/hf"},
+                                     {"HUGGINGFACE_HUB_CACHE": "/tmp/legacy"}])
 def test_the_hub_cache_is_where_huggingface_hub_keeps_it(environ):
     """mlxd list, mlxd rm and the ledger's sizes look there without importing huggingface_hub."""
     import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")}
     script = ("import huggingface_hub.constants as c; from gateway.ledger import hub_cache; "
               "print(c.HF_HUB_CACHE); print(hub_cache())")
     theirs, ours = subprocess.run([sys.executable, "-c", script], env={**env, **environ}, capture_output=True,
