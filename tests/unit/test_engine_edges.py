@@ -69,6 +69,18 @@ def test_a_seeded_sampled_request_resumed_part_way_goes_on_as_it_would_have(load
     assert whole[:k] + rest == whole
 
 
+def test_requests_of_one_grammar_each_follow_it_from_its_start(loaded):
+    """The grammar is compiled once and each request gets a fresh copy of it
+    (a matcher shared between them would have one start past the other's tokens)."""
+    grammar = llguidance.grammar_from("lark", f'start: "{SENTENCE}"')
+    prompt = loaded.hf_tokenizer.encode("Once upon a time")
+    engine = engine_for(loaded)
+    together = answers(engine, *(AddRequest(r, prompt, Sampling(max_tokens=40, grammar=grammar)) for r in "ab"))
+    later = answers(engine, AddRequest("c", prompt, Sampling(max_tokens=40, grammar=grammar)))
+    for tokens in [*together.values(), *later.values()]:
+        assert loaded.hf_tokenizer.decode(tokens, skip_special_tokens=True) == SENTENCE
+
+
 def test_tokens_off_the_grammar_are_refused_on_resuming(loaded):
     grammar = llguidance.grammar_from("lark", f'start: "{SENTENCE}"')
     prompt = loaded.hf_tokenizer.encode("Once upon a time")
