@@ -3,10 +3,11 @@ pooled and normalized as the model's sentence-transformers files say.
 
 mlx-lm's own model classes run it (`model.model` is the transformer without
 its head), rather than mlx-embeddings: the embedding models people serve next
-to chat models on a Mac are mostly decoder models (Qwen3-Embedding,
-gte-Qwen2), which mlx-lm already loads, quantized or not, and it adds no
-dependency with its own pins on MLX. Encoder-only models (BERT, nomic) are not
-served.
+to chat models on a Mac are mostly decoder models (Qwen3-Embedding), which
+mlx-lm already loads, quantized or not, and it adds no dependency with its own
+pins on MLX. Encoder-only models (BERT, nomic) are not served, and a decoder
+trained to attend both ways (gte-Qwen2, whose own code turns the causal mask
+off) runs here causally, as mlx-lm's model does: other vectors than its own.
 """
 
 from __future__ import annotations
