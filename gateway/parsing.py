@@ -397,21 +397,20 @@ StreamParser = MessageParser | HarmonyParser
 
 
 def stream_parsers(markers: tuple[str, str] | None, family: str, prompt_text: str,
-                   tools: list[dict] | None, tool_format: ToolFormat | None = None, constrained: bool = False):
+                   tools: list[dict] | None, tool_format: ToolFormat | None = None):
     """A function making each stream's own parser (None when there is nothing to parse).
 
     tools: the request's tools (no tool calls are looked for without them);
-    tool_format: mlx-lm's parser for the model's format, if it has one;
-    constrained: a grammar shapes the output from its first token (a forced
-    call, JSON), so a reasoning block the prompt opened is never closed: the
-    output is not read as inside it.
+    tool_format: mlx-lm's parser for the model's format, if it has one. A
+    grammar (a forced call, JSON) lets the reasoning block come first, so the
+    output is read as any other.
     """
     if family == "harmony":
         opened = HarmonyParser.open_header(prompt_text)
         return lambda: HarmonyParser(tools, opened)
     if markers is None and not tools:
         return lambda: None
-    inside = markers is not None and not constrained and prompt_text.rstrip().endswith(markers[0])
+    inside = markers is not None and prompt_text.rstrip().endswith(markers[0])
 
     def make() -> MessageParser:
         return MessageParser(ReasoningSplitter(*markers, inside=inside) if markers else None,

@@ -19,7 +19,7 @@ from gateway.errors import APIError
 from gateway.images import ImageSource
 from gateway.parsing import arguments_object
 from gateway.sampling_defaults import SamplingDefaults
-from gateway.structured import forced_tool_call_grammar, json_schema_grammar, named_tool
+from gateway.structured import Thinking, answer_grammar, json_schema_grammar, named_tool
 from protocol import Sampling
 from protocol.units import parse_duration
 
@@ -119,24 +119,29 @@ class Plan:
     def prompt_param(self) -> str:
         return self.messages_param if isinstance(self.prompt, ChatInput) else "prompt"
 
-    def grammar(self, tool_family: str | None, tokens: Mapping[str, int] | None = None) -> str | None:
+    def grammar(self, tool_family: str | None, tokens: Mapping[str, int] | None = None,
+                thinking: Thinking | None = None) -> str | None:
         """The grammar the output must follow: a forced tool call (in the
         model's tool-call format, `tool_family`; None: one with no grammar;
         `tokens`: the model's added tokens), JSON, or beside tools the model
-        may call, JSON or a call (an agent asked for a typed final answer)."""
+        may call, JSON or a call (an agent asked for a typed final answer);
+        after the model's reasoning, where it has a block for it (`thinking`)."""
         if self.force_tool_call and self.tools:  # a call is the answer, whatever the response_format
             if tool_family is None:
                 raise APIError(400, "a forced tool_choice is not supported for this model's tool-call format; "
                                "use tool_choice auto", param="tool_choice")
-            return forced_tool_call_grammar(self.tools, tool_family, tokens)
-        if self.json_output and self.calls_beside_json(tool_family):
+            return answer_grammar(self.tools, tool_family, tokens, thinking=thinking)
+        if not self.json_output:
+            return None
+        answer = self.json_schema or {"type": "object"}
+        if self.calls_beside_json(tool_family):
             assert self.tools is not None and tool_family is not None
-            answer = self.json_schema or {"type": "object"}
-            return forced_tool_call_grammar(self.tools, tool_family, tokens, answer_schema=answer,
-                                            strict=self.json_schema_strict)
-        if self.json_output:
-            return json_schema_grammar(self.json_schema, strict=self.json_schema_strict)
-        return None
+            return answer_grammar(self.tools, tool_family, tokens, answer_schema=answer,
+                                  strict=self.json_schema_strict, thinking=thinking)
+        if thinking is not None:
+            return answer_grammar([], "", tokens, answer_schema=answer, strict=self.json_schema_strict,
+                                  thinking=thinking)
+        return json_schema_grammar(self.json_schema, strict=self.json_schema_strict)
 
     def calls_beside_json(self, tool_family: str | None) -> bool:
         """Whether a JSON response_format leaves the model its tools: where their

@@ -39,7 +39,7 @@ from gateway.pool import RETRY_AFTER_S, Lease, ModelPool, Unavailable
 from gateway.responses import EventStream, MsgspecResponse
 from gateway.security import keep_alive_for
 from gateway.settings import GatewaySettings
-from gateway.structured import FAMILY_OF_PARSER
+from gateway.structured import FAMILY_OF_PARSER, Thinking
 from gateway.tokenizer import Prompt, PromptError
 from gateway.worker_link import WorkerLink, WorkerState, WorkerUnavailable
 from protocol.worker_settings import model_source
@@ -317,11 +317,13 @@ class Serving:
         max_tokens = self.max_tokens(prompt.token_ids, plan.max_tokens, worker, plan.prompt_param,
                                      plan.max_tokens_param)
         family, call_format = worker.tokenizer.tool_family, forced_call_format(worker)
-        grammar = plan.grammar(call_format, worker.tokenizer.added_tokens)
+        markers = worker.reasoning_markers
+        # A chat's constrained answer comes after the model's reasoning block (Harmony's channels excepted).
+        thinking = Thinking(*markers, opened=prompt.text.rstrip().endswith(markers[0])) \
+            if markers is not None and family != "harmony" and isinstance(plan.prompt, ChatInput) else None
+        grammar = plan.grammar(call_format, worker.tokenizer.added_tokens, thinking)
         samplings = plan.sampling.samplings(worker.sampling, worker.hello.vocab_size, max_tokens, grammar)
-        parsers = (stream_parsers(worker.reasoning_markers, family, prompt.text,
-                                  plan.parsed_tools(call_format), worker.tool_format,
-                                  constrained=grammar is not None)
+        parsers = (stream_parsers(markers, family, prompt.text, plan.parsed_tools(call_format), worker.tool_format)
                    if isinstance(plan.prompt, ChatInput) else None)
         ids = [request_id] if len(samplings) == 1 else [f"{request_id}-{i}" for i in range(len(samplings))]
         queue: asyncio.Queue[Delta] = asyncio.Queue()

@@ -10,6 +10,7 @@ import functools
 import json
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import llguidance
 
@@ -257,19 +258,38 @@ def _call_rule(tool: dict, family: str, tokens: Mapping[str, int], lazy: dict[tu
     return f"{_text(before, tokens)} {_arguments(schema)} {_text(after, tokens)}"
 
 
-def forced_tool_call_grammar(tools: list[dict], family: str, tokens: Mapping[str, int] | None = None,
-                             param: str = "tool_choice", answer_schema: dict | None = None,
-                             strict: bool = False) -> str:
+@dataclass(frozen=True)
+class Thinking:
+    """A model's reasoning block (its markers), which its constrained answer
+    may follow: a grammar from the first token would take its thinking away."""
+
+    open: str
+    close: str
+    opened: bool  # the prompt opened the block: the output starts inside it
+
+
+def answer_grammar(tools: list[dict], family: str, tokens: Mapping[str, int] | None = None,
+                   param: str = "tool_choice", answer_schema: dict | None = None, strict: bool = False,
+                   thinking: Thinking | None = None) -> str:
     """Output that is exactly one call of one of `tools`, in the model's own
     tool-call format (one of FAMILY_OF_PARSER's values); `tokens`: the model's
-    added tokens, by text. With `answer_schema` (a JSON response_format beside
-    tools the model may call), that JSON answer instead of a call is allowed too."""
+    added tokens, by text. With `answer_schema` (a JSON response_format, beside
+    tools the model may call or alone), that JSON answer instead of a call is
+    allowed too. With `thinking`, a reasoning block first (optional unless the
+    prompt opened it), then whitespace."""
     _bounded(tools, "tools")
-    lazy: dict[tuple[str, str], str] = {}  # the tagged formats' text values
-    rules = [_call_rule(tool, family, tokens or {}, lazy) for tool in tools]
+    tokens = tokens or {}
+    lazy: dict[tuple[str, str], str] = {}  # the tagged formats' text values, the reasoning
+    rules = [_call_rule(tool, family, tokens, lazy) for tool in tools]
     if answer_schema is not None:
         json_schema_grammar(answer_schema, strict=strict)  # its own 400s, naming response_format
         rules.append(f"%json {json.dumps(_compact(answer_schema, strict))}")
-    lark = "start: " + " | ".join(f"choice{i}" for i in range(len(rules))) + "\n" + "".join(
-        f"choice{i}: {rule}\n" for i, rule in enumerate(rules)) + _lazy_rules(lazy)
+    start = "answer"
+    if thinking is not None:
+        thought = _raw_text("(?s:.*)", thinking.close, tokens, lazy)
+        block = thought if thinking.opened else f"({_text(thinking.open, tokens)} {thought})?"
+        start = f"{block} SPACE? answer"
+    lark = (f"start: {start}\nanswer: " + " | ".join(f"choice{i}" for i in range(len(rules))) + "\n"
+            + "".join(f"choice{i}: {rule}\n" for i, rule in enumerate(rules)) + _lazy_rules(lazy)
+            + ("SPACE: /[ \\t\\r\\n]+/\n" if thinking is not None else ""))
     return _validated(llguidance.LLMatcher.grammar_from_lark(lark), param)

@@ -380,3 +380,16 @@ def test_ollama_show_says_the_same_of_a_model_loaded_or_not(scripted):
     unloaded = client.show("scripted")
     assert set(unloaded.capabilities) == set(loaded.capabilities) == {"completion", "tools", "thinking"}
     assert unloaded.template == loaded.template != ""
+
+
+def test_a_reasoning_model_thinks_before_its_json_answer(scripted):
+    """The JSON grammar held the output from the first token, so a reasoning model could not think first."""
+    client = openai_client(scripted("reasoning"))
+    city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+            "additionalProperties": False}
+    response = client.chat.completions.create(
+        model="scripted", messages=ASK, temperature=0, max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": city}})
+    message = response.choices[0].message
+    assert message.reasoning_content == "The user wants the capital.\n"
+    assert json.loads(message.content)["city"] in ("Paris", "Rome")

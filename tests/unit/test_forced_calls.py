@@ -10,7 +10,7 @@ from tokenizers import AddedToken
 
 from gateway.errors import APIError
 from gateway.parsing import HarmonyParser, ToolCallParser
-from gateway.structured import TAGGED, forced_tool_call_grammar, json_schema_grammar
+from gateway.structured import TAGGED, Thinking, answer_grammar, json_schema_grammar
 from gateway.tool_formats import load_tool_format
 from tests.tiny_model import train_tokenizer
 
@@ -40,7 +40,7 @@ CALLS = {
 MARKERS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
            "<minimax:tool_call>", "</minimax:tool_call>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
            "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>", "<|channel|>",
-           "<|constrain|>", "<|message|>"]
+           "<|constrain|>", "<|message|>", "<think>", "</think>"]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def parsed(family: str, parser_name: str | None, text: str) -> list[tuple[str, d
 def test_the_grammar_accepts_the_call_and_the_parser_reads_it_back(tokenizer, family):
     parser_name, text = CALLS[family]
     tokens = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
-    grammar = forced_tool_call_grammar([TOOL], family, tokens)
+    grammar = answer_grammar([TOOL], family, tokens)
     assert accepts(tokenizer, grammar, text)
     assert not accepts(tokenizer, grammar, text.replace("3", '"three"', 1))  # days must be an integer
     assert parsed(family, parser_name, text) == [("get_weather", ARGUMENTS)]
@@ -82,7 +82,7 @@ def test_a_tagged_format_reads_an_odd_schema_leniently(tokenizer, family, parame
     client may send (a list for the properties): a grammar, not a 500."""
     tokens = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
-    assert forced_tool_call_grammar([tool], family, tokens)
+    assert answer_grammar([tool], family, tokens)
 
 
 @pytest.mark.parametrize("family", sorted(CALLS))
@@ -95,7 +95,7 @@ def test_definitions_a_schema_refers_to_stay_within_reach(tokenizer, family):
     parameters["properties"] = {**parameters["properties"], "days": {"$ref": "#/$defs/Days"}}
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
     tokens = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
-    grammar = forced_tool_call_grammar([tool], family, tokens)
+    grammar = answer_grammar([tool], family, tokens)
     _, text = CALLS[family]
     assert accepts(tokenizer, grammar, text)
     assert not accepts(tokenizer, grammar, text.replace("3", '"three"', 1))
@@ -119,7 +119,7 @@ def test_string_formats_llguidance_does_not_know_are_annotations(tokenizer, stri
     assert not accepts(tokenizer, grammar, '{"secret": "abc", "when": "soon"}')  # a known format holds
     assert accepts(tokenizer, grammar, '{"secret": "abc", "when": "2026-11-26", "kind": {"format": "binary"}}')
     tool = {"type": "function", "function": {"name": "login", "parameters": schema}}
-    assert forced_tool_call_grammar([tool], "hermes")
+    assert answer_grammar([tool], "hermes")
 
 
 @pytest.mark.parametrize("family", ["qwen3_coder", "glm47", "minimax_m2"])
@@ -134,7 +134,7 @@ def test_a_tagged_format_holds_an_argument_to_its_enum_and_length(tokenizer, fam
     tool = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"v": value}, "required": ["v"]}}}
     tokens = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
-    grammar = forced_tool_call_grammar([tool], family, tokens)
+    grammar = answer_grammar([tool], family, tokens)
     call_open, arg_open, arg_close, call_close = TAGGED[family]
 
     def call(text: str) -> str:
@@ -151,7 +151,7 @@ def test_a_schemas_own_guidance_that_is_no_object_is_ignored(tokenizer):
     parameters = {**TOOL["function"]["parameters"], "x-guidance": "whatever"}
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
     tokens = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
-    assert accepts(tokenizer, forced_tool_call_grammar([tool], "hermes", tokens), CALLS["hermes"][1])
+    assert accepts(tokenizer, answer_grammar([tool], "hermes", tokens), CALLS["hermes"][1])
     assert accepts(tokenizer, json_schema_grammar(parameters), json.dumps(ARGUMENTS))
 
 
@@ -159,7 +159,7 @@ def test_a_schemas_own_guidance_that_is_no_object_is_ignored(tokenizer):
 def test_beside_a_json_answer_a_call_is_allowed_too(tokenizer, family):
     tokens = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
     answer = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
-    grammar = forced_tool_call_grammar([TOOL], family, tokens, answer_schema=answer)
+    grammar = answer_grammar([TOOL], family, tokens, answer_schema=answer)
     assert accepts(tokenizer, grammar, CALLS[family][1])
     assert accepts(tokenizer, grammar, '{"answer": "sunny"}')
     assert not accepts(tokenizer, grammar, '{"city": "sunny"}')
@@ -170,7 +170,7 @@ def test_beside_a_json_answer_a_call_is_allowed_too(tokenizer, family):
 def test_a_tagged_formats_text_argument_may_hold_what_its_tag_starts_with(tokenizer, family):
     """HTML, generics, `a < b` in a file's contents: values were text up to the first `<`."""
     tokens = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
-    grammar = forced_tool_call_grammar([TOOL], family, tokens)
+    grammar = answer_grammar([TOOL], family, tokens)
     parser_name, text = CALLS[family]
     odd = "<p>a < b</p>\n<parameter"
     assert accepts(tokenizer, grammar, text.replace("New York", odd))
@@ -183,6 +183,22 @@ def test_a_json_answer_beside_calls_is_refused_as_it_is_alone():
     with pytest.raises(APIError) as alone:
         json_schema_grammar(answer, strict=True)
     with pytest.raises(APIError) as beside:
-        forced_tool_call_grammar([TOOL], "hermes", answer_schema=answer, strict=True)
+        answer_grammar([TOOL], "hermes", answer_schema=answer, strict=True)
     assert (beside.value.param, beside.value.message) == (alone.value.param, alone.value.message) == (
         "response_format", alone.value.message)
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_a_constrained_answer_may_follow_the_models_reasoning(tokenizer, opened):
+    """The grammar held the output from its first token: a reasoning model did not think before its JSON or
+    its forced call (and where the template opened the block, wrote them inside it)."""
+    tokens = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
+    thinking = Thinking("<think>", "</think>", opened)
+    answer = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    json_only = answer_grammar([], "", tokens, answer_schema=answer, thinking=thinking)
+    call_only = answer_grammar([TOOL], "hermes", tokens, thinking=thinking)
+    thought = ("" if opened else "<think>") + "The user asks {about} a < b.\n</think>\n\n"
+    assert accepts(tokenizer, json_only, thought + '{"answer": "sunny"}')
+    assert accepts(tokenizer, call_only, thought + CALLS["hermes"][1])
+    assert not accepts(tokenizer, json_only, thought + "It is sunny.")
+    assert accepts(tokenizer, json_only, '{"answer": "sunny"}') is not opened  # inside the block, it must close

@@ -147,17 +147,6 @@ def test_stream_parsers_make_fresh_parsers_per_stream():
     assert isinstance(stream_parsers(None, "harmony", "", None)(), HarmonyParser)
 
 
-def test_output_a_grammar_shapes_is_not_read_as_inside_a_reasoning_block_the_prompt_opened():
-    """A forced call (or JSON) starts at the first token: a template that opens <think> never sees it closed."""
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
-    forced = stream_parsers(("<think>", "</think>"), "hermes", "prompt <think>\n", tools, constrained=True)()
-    reasoning, content, calls = forced.feed(call, True)
-    assert (reasoning, content, [c.name for c in calls]) == ("", "", ["f"])
-    unforced = stream_parsers(("<think>", "</think>"), "hermes", "prompt <think>\n", tools)()
-    assert unforced.feed(call, True) == (call, "", [])
-
-
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
 HARMONY_CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
                 'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
