@@ -75,8 +75,8 @@ lint: install-test
 	$(VENV)/bin/mypy
 
 # Two test processes (pytest-xdist), each taking whole files: the tests mostly
-# wait on the servers they start, so two share two cores well (about 6.5
-# minutes here against 10 for one). TEST_WORKERS=0 runs them in this process.
+# wait on the servers they start, so two share two cores well (7 to 8 minutes
+# here against 10 to 11 for one). TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 test: install-test model agents chromium
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
