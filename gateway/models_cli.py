@@ -125,10 +125,14 @@ def rm_main(argv: list[str]) -> int:
         files = [f for f in path.rglob("*") if f.is_file() and not f.is_symlink()] if path is not None else []
         left = downloads_of(path.name if path is not None else name)
         size = sum(f.stat().st_size for f in [*files, *left])
-        if path is not None:
-            shutil.rmtree(path)
-        for file in left:
-            file.unlink(missing_ok=True)
+        try:
+            if path is not None:
+                shutil.rmtree(path)
+            for file in left:
+                file.unlink(missing_ok=True)
+        except OSError as e:  # not the user's files, say (a cache shared with root)
+            print(f"mlxd rm: cannot remove {name}: {e}", file=sys.stderr)
+            return 1
         print(f"removed {name} ({format_size(size)})")
     return 0
 

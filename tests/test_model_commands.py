@@ -342,3 +342,13 @@ def test_rm_removes_a_download_whose_import_was_interrupted(cache, tmp_path):
     assert removed.returncode == 0 and "removed big" in removed.stdout
     assert list(downloads.iterdir()) == []
     assert mlxd("rm", "big", env=cache).returncode == 1
+
+
+def test_a_pull_over_an_older_import_fails_saying_how_to_redo_it(gguf, cache, tmp_path):
+    """It said so, then "pulled" and exit 0, leaving the older import in place."""
+    older = tmp_path / "cache" / "mlxd" / "models" / "tinyp"
+    older.mkdir(parents=True)
+    (older / "config.json").write_text('{"model_type": "llama"}')
+    pulled = mlxd("pull", str(gguf), env=cache)
+    assert pulled.returncode == 1 and "is not an import of this mlxd's" in pulled.stderr
+    assert "mlxd rm tinyp" in pulled.stderr and "pulled" not in pulled.stdout

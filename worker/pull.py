@@ -51,10 +51,9 @@ def pull(source: str, name: str | None = None) -> tuple[Path, str]:
     model = cache_dir() / "models" / name
     if (model / "config.json").is_file() and not is_current_import(model):
         # Not removed here: the directory may be a model someone put in the cache by hand.
-        print(f"{name} in the cache ({model}) is not an import of this mlxd's (older ones took K-quant files "
-              f"with wrong scales, stopped at EOS only, and turned BF16 weights into float16): `mlxd rm {name}` "
-              "and pull again to redo it", file=sys.stderr)
-        return model, name
+        raise PullError(f"{name} in the cache ({model}) is not an import of this mlxd's (older ones took K-quant "
+                        f"files with wrong scales, stopped at EOS only, and turned BF16 weights into float16): "
+                        f"`mlxd rm {name}` and pull again to redo it")
     if (model / "config.json").is_file():
         print(f"{name} is already in the cache ({model})", file=sys.stderr)
         return model, name
