@@ -158,9 +158,11 @@ def _arguments(schema: dict | None) -> str:
 
 
 # Formats whose call names the tool in a header, then gives its arguments as one JSON object.
+# Kimi's header numbers the call among the conversation's ({index}: the model writes the number, which
+# is the call's id; always 0, every turn's call had one id).
 JSON_BODY = {
     "harmony": ("<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>", ""),
-    "kimi_k2": ("<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>",
+    "kimi_k2": ("<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:{index}<|tool_call_argument_begin|>",
                 "<|tool_call_end|><|tool_calls_section_end|>"),
 }
 # Formats whose call names the tool, then writes each argument between tags (as mlx-lm's parsers read them):
@@ -249,7 +251,10 @@ def _call_rule(tool: dict, family: str, tokens: Mapping[str, int], lazy: dict[tu
         return _tagged_call(tool, family, tokens, lazy)
     if family in JSON_BODY:
         header, end = JSON_BODY[family]
-        return f"{_text(header.format(name=name), tokens)} {_arguments(parameters)} {_text(end, tokens)}"
+        before, numbered, after = header.format(name=name, index="\0").partition("\0")
+        header_rule = " ".join(part for part in (_text(before, tokens), "/[0-9]+/" if numbered else "",
+                                                 _text(after, tokens)) if part)
+        return f"{header_rule} {_arguments(parameters)} {_text(end, tokens)}"
     schema = _call_schema(tool, "parameters" if family == "llama3" else "arguments")
     if family == "mistral":
         inner = {k: v for k, v in schema.items() if k not in DEFINITIONS}

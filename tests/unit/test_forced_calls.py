@@ -202,3 +202,12 @@ def test_a_constrained_answer_may_follow_the_models_reasoning(tokenizer, opened)
     assert accepts(tokenizer, call_only, thought + CALLS["hermes"][1])
     assert not accepts(tokenizer, json_only, thought + "It is sunny.")
     assert accepts(tokenizer, json_only, '{"answer": "sunny"}') is not opened  # inside the block, it must close
+
+
+def test_kimis_forced_call_is_numbered_by_the_model(tokenizer):
+    """The number in `functions.NAME:N` is the call's id: always 0, the calls of every turn had one id."""
+    tokens = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
+    grammar = answer_grammar([TOOL], "kimi_k2", tokens)
+    _, text = CALLS["kimi_k2"]
+    assert accepts(tokenizer, grammar, text.replace("get_weather:0", "get_weather:7"))
+    assert not accepts(tokenizer, grammar, text.replace("get_weather:0", "get_weather:x"))
