@@ -33,6 +33,7 @@ import msgspec
 
 from gateway.settings import GatewaySettings, PoolSettings, check_model_names
 from protocol import PROTOCOL_VERSION
+from protocol.log_file import follow_log_file
 from protocol.packages import MLX_PACKAGES, installed_version
 from protocol.settings import add_arguments, parse_settings, resolve
 from protocol.worker_settings import WorkerSettings, announced_name, worker_command
@@ -71,6 +72,8 @@ def version() -> str:
 def gateway_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="mlxd gateway", description="The mlxd HTTP gateway.")
     settings = parse_settings(parser, GatewaySettings, argv)
+    if settings.log_file:
+        follow_log_file(settings.log_file)
     _configure_logging(settings.log_level)
     from gateway.server import run_gateway
 
@@ -107,6 +110,8 @@ def serve_main(argv: list[str]) -> int:
     except ValueError as e:
         os.rmdir(runtime)
         parser.error(str(e))
+    if gateway_settings.log_file:
+        follow_log_file(gateway_settings.log_file)
     _configure_logging(gateway_settings.log_level)
     from gateway.server import run_gateway
 

@@ -197,8 +197,11 @@ def render(layout: Layout, gateway: GatewaySettings, workers: dict[str, WorkerSe
         with open(DEPLOY / f"{PREFIX}{job.partition('.')[0]}.plist", "rb") as f:
             plist = _fill(plistlib.load(f), names)
         plist["Label"] = PREFIX + job
-        plist["StandardOutPath"] = plist["StandardErrorPath"] = f"{layout.log_dir}/{job}.log"
-        env = to_environment(settings)
+        log = f"{layout.log_dir}/{job}.log"
+        # launchd opens the log for what comes before mlxd reads its settings; --log-file then opens it again
+        # whenever log rotation (newsyslog) has moved it, which launchd's own opening never does.
+        plist["StandardOutPath"] = plist["StandardErrorPath"] = log
+        env = to_environment(msgspec.structs.replace(settings, log_file=log))
         env.update(common)
         plist["EnvironmentVariables"] = dict(sorted(env.items()))
         # launchd's SIGKILL must not cut the drain short.

@@ -43,6 +43,10 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     ] = 10.0
     log_level: Annotated[Literal["debug", "info", "warning", "error", "critical"],
                          Meta(description="debug, info, warning, error or critical")] = "info"
+    log_file: Annotated[
+        str | None, Meta(description="a file for the logs (stdout and stderr), opened again when log rotation moves "
+                                     "it (launchd's jobs log so)")
+    ] = None
     # ---- security (docs/security.md) ----
     api_key: Annotated[
         list[str],

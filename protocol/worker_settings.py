@@ -101,6 +101,10 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     ] = None
     log_level: Annotated[Literal["debug", "info", "warning", "error", "critical"],
                          Meta(description="debug, info, warning, error or critical")] = "info"
+    log_file: Annotated[
+        str | None, Meta(description="a file for the logs (stdout and stderr), opened again when log rotation moves "
+                                     "it (launchd's jobs log so)")
+    ] = None
     distributed_hosts: Annotated[
         str,
         Meta(description="serve the model as one worker made of an mx.distributed group: one rank per "

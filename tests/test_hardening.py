@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from protocol import Heartbeat, Hello, Welcome
-from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, free_port, wait_for
+from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, free_port, running, wait_for
 from tests.test_restarts import StreamReader, sigterm_mid_stream, split  # noqa: F401 (split is a fixture)
 from tests.tiny_model import make_tiny_model
 
@@ -393,3 +393,19 @@ def test_a_worker_py_in_the_current_directory_never_runs_as_the_worker(tmp_path)
                             cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert "No such file" in result.stderr  # mlxd's worker program answered
     assert not (tmp_path / "ran").exists()
+
+
+def test_logs_follow_their_file_when_log_rotation_moves_it(tiny_model, tmp_path):
+    """newsyslog renames a launchd job's log; the job wrote on into the renamed (then compressed) file."""
+    from protocol.log_file import CHECK_EVERY_S
+
+    log = tmp_path / "mlxd.log"
+    with running(["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME, "--log-file", str(log)],
+                 tmp_path / "launch.log"):
+        assert "worker ready" in log.read_text()
+        log.rename(tmp_path / "mlxd.log.0")
+        time.sleep(CHECK_EVERY_S * 2.5)
+    after = log.read_text()  # the gateway's drain and the worker's, written once the server was told to stop
+    assert "draining" in after and "received SIGTERM" in after
+    assert "worker ready" in (tmp_path / "mlxd.log.0").read_text() and "draining" not in (
+        tmp_path / "mlxd.log.0").read_text()

@@ -181,6 +181,7 @@ def test_the_jobs_find_models_where_the_installing_shell_keeps_them(tmp_path):
             variables = plistlib.load(f)["EnvironmentVariables"]
         assert variables["HF_HOME"] == os.path.expanduser("~/hf")
         assert variables["XDG_CACHE_HOME"] == str(tmp_path / "cache") and variables["HF_HUB_OFFLINE"] == "1"
+        assert variables["MLXD_LOG_FILE"].endswith(f"/mlxd/{job}.log")  # followed across log rotation
 
 
 def test_root_writing_the_key_file_for_a_user_gives_it_and_its_directory_to_them(tmp_path):

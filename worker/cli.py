@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 
+from protocol.log_file import follow_log_file
 from protocol.settings import parse_settings
 from protocol.worker_settings import WorkerSettings, split_model
 
@@ -46,6 +47,8 @@ def serve_main(argv: list[str]) -> int:
         "(by mlx.launch, or a host's own launchd job) is one rank of such a group.",
     )
     settings = parse_settings(parser, WorkerSettings, argv)
+    if settings.log_file:
+        follow_log_file(settings.log_file)
     blas = _start(settings.log_level)
     logging.getLogger("mlxd.worker").info("BLAS: %s", blas)
     if settings.distributed_hosts and "MLX_RANK" not in os.environ:  # not yet a rank: start the group's ranks

@@ -1,0 +1,52 @@
+"""Logs written into a file that log rotation moves away (newsyslog, under
+launchd): the process points its stdout and stderr at the path again as soon
+as the path holds another file, or none. (launchd opens a job's log once, at
+its start; a job writing on to the file newsyslog renamed and compressed
+would lose every line until it restarts.)"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+# How often the path is looked at: what a rotation can send into the old file.
+CHECK_EVERY_S = 1.0
+
+
+def follow_log_file(path: str) -> None:
+    """Stdout and stderr into `path` (appended to), from now on and after each rotation."""
+    _point_at(path)
+    threading.Thread(target=_follow, args=(path,), name="log-file", daemon=True).start()
+
+
+def _point_at(path: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    finally:
+        os.close(fd)
+
+
+def _moved(path: str) -> bool:
+    """Whether `path` is no longer the file stderr writes to."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return True
+    writing = os.fstat(2)
+    return (named.st_dev, named.st_ino) != (writing.st_dev, writing.st_ino)
+
+
+def _follow(path: str) -> None:
+    while True:
+        time.sleep(CHECK_EVERY_S)
+        try:
+            if _moved(path):
+                _point_at(path)
+        except OSError:  # its directory gone for a moment, say: the next look tries again
+            pass
