@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 from msgspec import Meta
 
 from protocol.endpoints import default_worker_endpoint
+from protocol.log_file import LogSettings
 
 
-class GatewaySettings(msgspec.Struct, kw_only=True):
+class GatewaySettings(LogSettings, kw_only=True):
     host: Annotated[str, Meta(description="address to listen on")] = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535, description="TCP port to listen on")] = 8000
     worker_endpoint: Annotated[
@@ -41,12 +42,6 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     drain_s: Annotated[
         float, Meta(ge=0, description="on SIGTERM, how long open streams may finish before they are ended")
     ] = 10.0
-    log_level: Annotated[Literal["debug", "info", "warning", "error", "critical"],
-                         Meta(description="debug, info, warning, error or critical")] = "info"
-    log_file: Annotated[
-        str | None, Meta(description="a file for the logs (stdout and stderr), opened again when log rotation moves "
-                                     "it (launchd's jobs log so)")
-    ] = None
     # ---- security (docs/security.md) ----
     api_key: Annotated[
         list[str],

@@ -10,9 +10,24 @@ import os
 import sys
 import threading
 import time
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
 
 # How often the path is looked at: what a rotation can send into the old file.
 CHECK_EVERY_S = 1.0
+
+
+class LogSettings(msgspec.Struct, kw_only=True):
+    """The logging settings the gateway's and the worker's share."""
+
+    log_level: Annotated[Literal["debug", "info", "warning", "error", "critical"],
+                         Meta(description="debug, info, warning, error or critical")] = "info"
+    log_file: Annotated[
+        str | None, Meta(description="a file for the logs (stdout and stderr), opened again when log rotation moves "
+                                     "it (launchd's jobs log so)")
+    ] = None
 
 
 def follow_log_file(path: str) -> None:

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
-import msgspec
 from msgspec import Meta
 
 from protocol.endpoints import default_worker_endpoint
+from protocol.log_file import LogSettings
 
 # The embedded default model, and the name a worker serves it under.
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -42,7 +42,7 @@ def is_repo_id(source: str) -> bool:
     return source.count("/") == 1 and not source.startswith((".", "/", "~")) and not source.endswith(".gguf")
 
 
-class WorkerSettings(msgspec.Struct, kw_only=True):
+class WorkerSettings(LogSettings, kw_only=True):
     model: Annotated[
         str,
         Meta(
@@ -98,12 +98,6 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     ] = None
     curve_server_key: Annotated[
         str | None, Meta(description="the gateway's CURVE public key file; needed for tcp://")
-    ] = None
-    log_level: Annotated[Literal["debug", "info", "warning", "error", "critical"],
-                         Meta(description="debug, info, warning, error or critical")] = "info"
-    log_file: Annotated[
-        str | None, Meta(description="a file for the logs (stdout and stderr), opened again when log rotation moves "
-                                     "it (launchd's jobs log so)")
     ] = None
     distributed_hosts: Annotated[
         str,
