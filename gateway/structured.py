@@ -102,6 +102,7 @@ def json_schema_grammar(schema: dict | None, param: str = "response_format", str
         raise APIError(400, f"unsupported schema: {e}", param=param, code="unsupported_schema") from None
     return _validated(grammar, param)
 
+
 # Where a schema keeps the definitions its `$ref`s name (`#/$defs/...`), as
 # Pydantic's and MCP's tool schemas do: they must stay at the root of the
 # schema the grammar is made of, wherever the tool's parameters end up in it.
@@ -287,7 +288,7 @@ def answer_grammar(tools: list[dict], family: str, tokens: Mapping[str, int] | N
     lazy: dict[tuple[str, str], str] = {}  # the tagged formats' text values, the reasoning
     rules = [_call_rule(tool, family, tokens, lazy) for tool in tools]
     if answer_schema is not None:
-        json_schema_grammar(answer_schema, strict=strict)  # its own 400s, naming response_format
+        _bounded(answer_schema, "response_format")
         rules.append(f"%json {json.dumps(_compact(answer_schema, strict))}")
     start = "answer"
     if thinking is not None:
@@ -297,4 +298,9 @@ def answer_grammar(tools: list[dict], family: str, tokens: Mapping[str, int] | N
     lark = (f"start: {start}\nanswer: " + " | ".join(f"choice{i}" for i in range(len(rules))) + "\n"
             + "".join(f"choice{i}: {rule}\n" for i, rule in enumerate(rules)) + _lazy_rules(lazy)
             + ("SPACE: /[ \\t\\r\\n]+/\n" if thinking is not None else ""))
-    return _validated(llguidance.LLMatcher.grammar_from_lark(lark), param)
+    try:
+        return _validated(llguidance.LLMatcher.grammar_from_lark(lark), param)
+    except APIError:
+        if answer_schema is not None:  # the answer's own 400 where it is the cause, naming response_format
+            json_schema_grammar(answer_schema, strict=strict)
+        raise
