@@ -33,7 +33,7 @@ import msgspec
 
 from gateway.settings import GatewaySettings, PoolSettings, check_model_names
 from protocol import PROTOCOL_VERSION
-from protocol.log_file import follow_log_file
+from protocol.log_file import LogSettings, follow_log_file
 from protocol.packages import MLX_PACKAGES, installed_version
 from protocol.settings import add_arguments, parse_settings, resolve
 from protocol.worker_settings import WorkerSettings, announced_name, worker_command
@@ -56,9 +56,11 @@ SERVE_SETS = frozenset({"worker_endpoint", "parent_pid", "curve_secret_key", "cu
                         "memory_limit_bytes"})
 
 
-def _configure_logging(level: str) -> None:
+def _configure_logging(settings: LogSettings) -> None:
+    if settings.log_file:
+        follow_log_file(settings.log_file)
     logging.basicConfig(
-        level=level.upper(),
+        level=settings.log_level.upper(),
         format="%(asctime)s mlxd-gateway[%(process)d] %(levelname)s %(message)s",
         stream=sys.stderr,
     )
@@ -72,9 +74,7 @@ def version() -> str:
 def gateway_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="mlxd gateway", description="The mlxd HTTP gateway.")
     settings = parse_settings(parser, GatewaySettings, argv)
-    if settings.log_file:
-        follow_log_file(settings.log_file)
-    _configure_logging(settings.log_level)
+    _configure_logging(settings)
     from gateway.server import run_gateway
 
     return run_gateway(settings)
@@ -110,9 +110,7 @@ def serve_main(argv: list[str]) -> int:
     except ValueError as e:
         os.rmdir(runtime)
         parser.error(str(e))
-    if gateway_settings.log_file:
-        follow_log_file(gateway_settings.log_file)
-    _configure_logging(gateway_settings.log_level)
+    _configure_logging(gateway_settings)
     from gateway.server import run_gateway
 
     try:

@@ -396,6 +396,11 @@ class HarmonyParser:
 StreamParser = MessageParser | HarmonyParser
 
 
+def opens_reasoning(markers: tuple[str, str], prompt_text: str) -> bool:
+    """Whether the prompt ends inside the reasoning block (its template opened it): the output starts there."""
+    return prompt_text.rstrip().endswith(markers[0])
+
+
 def stream_parsers(markers: tuple[str, str] | None, family: str, prompt_text: str,
                    tools: list[dict] | None, tool_format: ToolFormat | None = None):
     """A function making each stream's own parser (None when there is nothing to parse).
@@ -410,7 +415,7 @@ def stream_parsers(markers: tuple[str, str] | None, family: str, prompt_text: st
         return lambda: HarmonyParser(tools, opened)
     if markers is None and not tools:
         return lambda: None
-    inside = markers is not None and prompt_text.rstrip().endswith(markers[0])
+    inside = markers is not None and opens_reasoning(markers, prompt_text)
 
     def make() -> MessageParser:
         return MessageParser(ReasoningSplitter(*markers, inside=inside) if markers else None,

@@ -33,7 +33,7 @@ from gateway.images import ImageLoader
 from gateway.metrics import Metrics
 from gateway.model_facts import ModelFacts, model_facts
 from gateway.output_processor import Delta, RequestGroup, RequestState, TokenInfo
-from gateway.parsing import ToolCall, stream_parsers
+from gateway.parsing import ToolCall, opens_reasoning, stream_parsers
 from gateway.plan import ChatInput, DocumentStart, Plan
 from gateway.pool import RETRY_AFTER_S, Lease, ModelPool, Unavailable
 from gateway.responses import EventStream, MsgspecResponse
@@ -319,7 +319,7 @@ class Serving:
         family, call_format = worker.tokenizer.tool_family, forced_call_format(worker)
         markers = worker.reasoning_markers
         # A chat's constrained answer comes after the model's reasoning block (Harmony's channels excepted).
-        thinking = Thinking(*markers, opened=prompt.text.rstrip().endswith(markers[0])) \
+        thinking = Thinking(*markers, opened=opens_reasoning(markers, prompt.text)) \
             if markers is not None and family != "harmony" and isinstance(plan.prompt, ChatInput) else None
         grammar = plan.grammar(call_format, worker.tokenizer.added_tokens, thinking)
         samplings = plan.sampling.samplings(worker.sampling, worker.hello.vocab_size, max_tokens, grammar)

@@ -13,15 +13,18 @@ import logging
 import os
 import sys
 
-from protocol.log_file import follow_log_file
+from protocol.log_file import LogSettings, follow_log_file
 from protocol.settings import parse_settings
 from protocol.worker_settings import WorkerSettings, split_model
 
 
-def _start(log_level: str = "info") -> str:
+def _start(settings: LogSettings | None = None) -> str:
     """Set up logging and BLAS; return which BLAS MLX runs on."""
+    settings = settings or LogSettings()
+    if settings.log_file:
+        follow_log_file(settings.log_file)
     logging.basicConfig(
-        level=log_level.upper(),
+        level=settings.log_level.upper(),
         format="%(asctime)s mlxd-worker[%(process)d] %(levelname)s %(message)s",
         stream=sys.stderr,
     )
@@ -47,9 +50,7 @@ def serve_main(argv: list[str]) -> int:
         "(by mlx.launch, or a host's own launchd job) is one rank of such a group.",
     )
     settings = parse_settings(parser, WorkerSettings, argv)
-    if settings.log_file:
-        follow_log_file(settings.log_file)
-    blas = _start(settings.log_level)
+    blas = _start(settings)
     logging.getLogger("mlxd.worker").info("BLAS: %s", blas)
     if settings.distributed_hosts and "MLX_RANK" not in os.environ:  # not yet a rank: start the group's ranks
         from worker.group import run_group
@@ -108,7 +109,7 @@ def pull_main(argv: list[str]) -> int:
     parser.add_argument("--name", help="the name a .gguf is cached and served under (default: its file name "
                         "without .gguf)")
     args = parser.parse_args(argv)
-    _start("warning")
+    _start(LogSettings(log_level="warning"))
     from worker.gguf import GGUFError
     from worker.model_source import ModelNotFound
     from worker.pull import PullError, pull
