@@ -174,15 +174,17 @@ def test_sampled_requests_agree_across_ranks(group):
 
 
 def test_embeddings_beside_a_stream_equal_one_process(group, reference):
-    """Every rank runs the embedding (its shard's layers), between the stream's steps."""
+    """Every rank runs the embedding (its shard's layers), between the stream's steps; a long
+    input a part a turn on every rank, each rank carrying its shard's KV state to the next part."""
     reader = StreamReader(group.url, max_tokens=200)
     reader.start()
     reader.wait_for_pieces(5)
-    body = group.http.post("/v1/embeddings", json={"model": MODEL_NAME, "input": PROMPTS}).json()
-    for item, prompt in zip(body["data"], PROMPTS):
+    inputs = [reference.text_prompt(p) for p in PROMPTS] + [[(7 * i) % 380 + 3 for i in range(1000)]]
+    body = group.http.post("/v1/embeddings", json={"model": MODEL_NAME, "input": inputs}).json()
+    assert len(body["data"]) == len(inputs)
+    for item, ids in zip(body["data"], inputs):
         # Summed over two shards, the hidden states round apart from one process's by a float's last bits.
-        np.testing.assert_allclose(item["embedding"], expected_embedding(reference, reference.text_prompt(prompt)),
-                                   rtol=0, atol=1e-5)
+        np.testing.assert_allclose(item["embedding"], expected_embedding(reference, ids), rtol=0, atol=1e-5)
     reader.join(60)
     assert reader.failure is None and reader.done
 

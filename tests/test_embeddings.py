@@ -121,6 +121,26 @@ def test_a_large_embeddings_request_goes_in_pieces_between_a_streams_steps(tiny_
         assert stream.failure is None and stream.errors == [] and stream.done
 
 
+def test_a_long_input_goes_in_parts_between_a_streams_steps(server, reference):
+    """An input was one forward pass however long: one of a whole context held every stream for all
+    of it (some 0.5 s for these 1,500 tokens here). Now it goes a part a turn, each part continuing
+    the KV state of the parts before, and its vector is the one of a single pass."""
+    stream = StreamReader(server.url, max_tokens=1000)
+    stream.start()
+    stream.wait_for_pieces(5, timeout=60)
+    ids = [(7 * i) % 380 + 3 for i in range(1500)]
+    before = len(stream.pieces)
+    response = server.http.post("/v1/embeddings", json={"model": MODEL_NAME, "input": [ids, ids[:40]]}, timeout=120)
+    during = len(stream.pieces) - before
+    assert response.status_code == 200, response.text
+    data = response.json()["data"]
+    np.testing.assert_allclose(data[0]["embedding"], expected(reference, ids), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(data[1]["embedding"], expected(reference, ids[:40]), rtol=0, atol=1e-6)
+    assert stream.is_alive() and during >= 20, during
+    stream.join(120)
+    assert stream.failure is None and stream.errors == [] and stream.done
+
+
 def test_a_client_that_gives_up_on_its_embeddings_costs_the_next_request_nothing(server):
     """The worker embeds requests one after another: one whose client left went on to its last input
     (some 15 s of work here) while the next request waited behind it."""

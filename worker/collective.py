@@ -19,7 +19,8 @@ import msgspec
 import numpy as np
 from mlx_lm.generate import generation_stream
 
-from protocol import Abort, AddRequest, Embed, KVFootprint, Rank, RequestOutput
+from protocol import Abort, AddRequest, KVFootprint, Rank, RequestOutput
+from worker.embed import EmbedPiece
 
 # The first collective of a broadcast carries this many bytes: a step's usual
 # input (nothing, or an abort) fits, and only a new prompt needs a second one.
@@ -36,7 +37,7 @@ class GroupStep(msgspec.Struct, kw_only=True):
 
     aborts: list[Abort] = []
     adds: list[AddRequest] = []
-    embeds: list[Embed] = []
+    embeds: list[EmbedPiece] = []
     stop: bool = False  # rank 0 is done: the group exits
     # Of the tokens rank 0's last step drew (tokens_checksum): a rank that
     # drew others holds another history in its shard of the KV cache.

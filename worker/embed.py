@@ -8,6 +8,11 @@ mlx-lm already loads, quantized or not, and it adds no dependency with its own
 pins on MLX. Encoder-only models (BERT, nomic) are not served, and a decoder
 trained to attend both ways (gte-Qwen2, whose own code turns the causal mask
 off) runs here causally, as mlx-lm's model does: other vectors than its own.
+
+Causal attention also lets a long input be read in parts, each continuing the
+KV state of the parts before it, as a prompt is prefilled in chunks: the
+worker embeds an input of a whole context a part per turn, between decode
+steps, instead of in one forward pass that every stream waits for.
 """
 
 from __future__ import annotations
@@ -15,10 +20,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
+import msgspec
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 
 POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "first"}
 
@@ -47,26 +55,64 @@ def pooling_of(path: Path) -> Pooling:
     return Pooling(mode, normalize)
 
 
+class EmbedPiece(msgspec.Struct, kw_only=True):
+    """A turn's embedding work, sized by rank 0 and run by every rank: whole
+    inputs, or one part of an input too long for the turn."""
+
+    request_id: str
+    inputs: list[list[int]]
+    continues: bool = False  # its one input goes on from the part the turn before read
+    ends: bool = True  # its last input ends here; else more of it comes next turn
+
+
+class _Open(NamedTuple):
+    """An input read in part: its KV state and its pooled hidden states so far."""
+
+    cache: list
+    pooled: mx.array  # the sum (mean pooling), the first token's or the last token's hidden state
+    tokens: int
+
+
 class Embedder:
     def __init__(self, model: nn.Module, pooling: Pooling) -> None:
+        self.model = model
         self.transformer = model.model  # mlx-lm's: hidden states after the final norm
         self.pooling = pooling
+        self._open: _Open | None = None
 
-    def __call__(self, inputs: list[list[int]]) -> np.ndarray:
-        """One float32 vector per input, each run on its own (no padding: the
-        same numbers as embedding it alone)."""
-        vectors = []
-        for token_ids in inputs:
-            hidden = self.transformer(mx.array([token_ids]))[0]
-            if self.pooling.mode == "mean":
-                vector = hidden.astype(mx.float32).mean(axis=0)
-            else:
-                vector = hidden[-1 if self.pooling.mode == "last" else 0].astype(mx.float32)
-            if self.pooling.normalize:
-                vector = vector / mx.maximum(mx.linalg.norm(vector), 1e-12)
-            mx.eval(vector)
-            vectors.append(np.array(vector))
-        return np.stack(vectors)
+    def read(self, token_ids: list[int], continues: bool = False, ends: bool = True) -> np.ndarray | None:
+        """One input, run on its own (no padding: the same numbers as embedding
+        it alone), or a part of one: `continues` goes on from the part read
+        last, and unless `ends` more of the input follows. Its float32 vector
+        once it ends, else None."""
+        opened, self._open = (self._open if continues else None), None
+        assert opened is not None or not continues, "a part continues an input no earlier part opened"
+        cache = opened.cache if opened is not None else None if ends else make_prompt_cache(self.model)
+        hidden = self.transformer(mx.array([token_ids]), cache=cache)[0]
+        mode = self.pooling.mode
+        if mode == "mean":
+            pooled = hidden.astype(mx.float32).sum(axis=0)
+            if opened is not None:
+                pooled = pooled + opened.pooled
+        elif mode == "first" and opened is not None:
+            pooled = opened.pooled
+        else:
+            pooled = hidden[0 if mode == "first" else -1].astype(mx.float32)
+        tokens = len(token_ids) + (opened.tokens if opened is not None else 0)
+        if not ends:
+            assert cache is not None
+            mx.eval(pooled, [c.state for c in cache])  # this turn's work, not the next part's
+            self._open = _Open(cache, pooled, tokens)
+            return None
+        vector = pooled / tokens if mode == "mean" else pooled
+        if self.pooling.normalize:
+            vector = vector / mx.maximum(mx.linalg.norm(vector), 1e-12)
+        mx.eval(vector)
+        return np.array(vector)
+
+    def close(self) -> None:
+        """Let go of an input read in part whose request went (aborted, failed)."""
+        self._open = None
 
 
 def embedder_for(model: nn.Module, path: Path) -> Embedder | None:

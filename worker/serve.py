@@ -3,10 +3,12 @@
 Each turn: stop if a drain is over, greet the gateway until welcomed, take
 every waiting message (without blocking while there is work) and apply aborts
 then adds, embed a piece of the oldest embeddings request (as many inputs as
-the step's budget for side work holds), run one engine step, and send one StepOutput for the whole
-batch. An embeddings request of thousands of inputs so goes in pieces between
-steps: the running streams keep their pace, and the step counter that tells
-the gateway the worker is not hung keeps moving.
+the step's budget for side work holds, or a part of an input longer than
+that), run one engine step, and send one StepOutput for the whole batch. An
+embeddings request of thousands of inputs, or of one input of a whole
+context, so goes in pieces between steps: the running streams keep their
+pace, and the step counter that tells the gateway the worker is not hung
+keeps moving.
 Messages that arrive during a step are read at once, so that nothing is sent
 for a request aborted meanwhile, and applied at the start of the next turn.
 
@@ -55,13 +57,13 @@ from protocol import (
 from protocol.worker_settings import WorkerSettings
 from worker.audit import AffinityAudit
 from worker.collective import IDLE_SLOT_S, GroupStep, RankChannel, tokens_checksum
-from worker.embed import Embedder
+from worker.embed import Embedder, EmbedPiece
 from worker.engine import Engine, InvalidRequest
 from worker.footprint import memory_stats
 from worker.heartbeat import HeartbeatThread
 from worker.sampling import GREEDY_BELOW
 from worker.transport import connect
-from worker.vision import fitted_cost
+from worker.vision import chunk_size, fitted_cost
 
 log = logging.getLogger("mlxd.worker")
 
@@ -80,18 +82,34 @@ class EmbeddingJob:
     request: Embed
     vectors: np.ndarray | None = None  # a row per input, filled as pieces are done
     embedded: int = 0  # inputs done
+    read: int = 0  # tokens of the next input read already (in parts)
 
-    def next_piece(self, cost: Callable[[int], float], budget: float) -> Embed:
+    def next_piece(self, cost: Callable[[int], float], budget: float, part: Callable[[int], int]) -> EmbedPiece:
         """The next inputs, as many as `budget` holds at `cost` (of an input of
-        n tokens), one at least: an input is never split, so one of a whole
-        context is a piece of its own."""
-        inputs = self.request.inputs
+        n tokens), one at least; or, where the next input alone costs more than
+        the budget, its next part, of `part(tokens left)` tokens."""
+        request_id, inputs = self.request.request_id, self.request.inputs
+        first = inputs[self.embedded]
+        if self.read or cost(len(first)) > budget:
+            end = self.read + part(len(first) - self.read)
+            return EmbedPiece(request_id=request_id, inputs=[first[self.read:end]], continues=self.read > 0,
+                              ends=end == len(first))
         end = self.embedded + 1
-        spent = cost(len(inputs[self.embedded]))
+        spent = cost(len(first))
         while end < len(inputs) and spent + cost(len(inputs[end])) <= budget:
             spent += cost(len(inputs[end]))
             end += 1
-        return Embed(self.request.request_id, inputs[self.embedded:end])
+        return EmbedPiece(request_id=request_id, inputs=inputs[self.embedded:end])
+
+    def done(self, piece: EmbedPiece, vectors: list[np.ndarray]) -> bool:
+        """Take a piece's vectors (one per input it ended); whether every input is embedded now."""
+        if vectors:
+            if self.vectors is None:
+                self.vectors = np.empty((len(self.request.inputs), len(vectors[0])), "<f4")
+            self.vectors[self.embedded:self.embedded + len(vectors)] = vectors
+            self.embedded += len(vectors)
+        self.read = 0 if piece.ends else self.read + len(piece.inputs[-1])
+        return self.embedded == len(self.request.inputs)
 
 
 def input_seconds(timed: Sequence[tuple[int, float]]) -> Callable[[int], float]:
@@ -135,17 +153,23 @@ class EngineRunner:
                 self.send(Error(add.request_id, str(e)))
         for piece in step.embeds:
             self.embedded(piece, self._embed(piece))
+        if not step.embeds and self.embedder is not None:
+            self.embedder.close()  # an input left in part: its request was aborted
 
-    def _embed(self, piece: Embed) -> np.ndarray | Exception:
-        """Between steps: the running requests wait for it, as for a prefill chunk."""
+    def _embed(self, piece: EmbedPiece) -> list[np.ndarray] | Exception:
+        """Between steps: the running requests wait for it, as for a prefill
+        chunk. The vectors of the inputs that end in this piece."""
         assert self.embedder is not None  # rank 0 refuses embeddings a model cannot make
         try:
-            rows = []
-            for token_ids in piece.inputs:  # each timed: what sizes the next pieces
+            vectors = []
+            last = len(piece.inputs) - 1
+            for i, token_ids in enumerate(piece.inputs):  # each timed: what sizes the next pieces
                 started = time.perf_counter()
-                rows.append(self.embedder([token_ids]))
+                vector = self.embedder.read(token_ids, piece.continues and i == 0, piece.ends or i < last)
                 self.embed_timed.append((len(token_ids), time.perf_counter() - started))
-            return np.concatenate(rows)
+                if vector is not None:
+                    vectors.append(vector)
+            return vectors
         except Exception as e:  # a failed embedding must not take the running requests' worker down
             if self.channel is not None:
                 raise  # but a group's ranks would part ways inside the model's collectives, as for a step
@@ -154,7 +178,7 @@ class EngineRunner:
         finally:
             self.pieces += 1
 
-    def embedded(self, piece: Embed, result: np.ndarray | Exception) -> None:
+    def embedded(self, piece: EmbedPiece, result: list[np.ndarray] | Exception) -> None:
         """A rank other than 0 has no one to tell: rank 0 answers the request."""
 
 
@@ -268,28 +292,31 @@ class Worker(EngineRunner):
             self.channel.share(step)
         self.apply(step, buffers)
 
-    def _next_piece(self) -> Embed:
+    def _next_piece(self) -> EmbedPiece:
         """The oldest embeddings request's next inputs: what the step's budget
         for side work holds at the latest inputs' pace, or with nothing
-        decoding, inputs worth a prefill chunk of tokens."""
+        decoding, inputs worth a prefill chunk of tokens; a longer input in
+        parts sized as a prompt's chunks are (worker.vision.chunk_size)."""
         job = self._embedding[0]
         budget = self.engine.side_work_budget()
-        if budget == math.inf:
-            return job.next_piece(float, self.settings.prefill_chunk)
-        return job.next_piece(input_seconds(self.embed_timed), budget)
+        chunk = self.settings.prefill_chunk
 
-    def embedded(self, piece: Embed, result: np.ndarray | Exception) -> None:
+        def part(left: int) -> int:
+            return chunk_size(budget, self.embed_timed, chunk, left)
+
+        if budget == math.inf:
+            return job.next_piece(float, chunk, part)
+        return job.next_piece(input_seconds(self.embed_timed), budget, part)
+
+    def embedded(self, piece: EmbedPiece, result: list[np.ndarray] | Exception) -> None:
         job = self._embedding[0]  # the piece is the oldest job's, taken this turn
         if isinstance(result, Exception):
             self._embedding.popleft()
             self.send(Error(piece.request_id, f"embedding failed: {result}"))
             return
-        if job.vectors is None:
-            job.vectors = np.empty((len(job.request.inputs), result.shape[1]), "<f4")
-        job.vectors[job.embedded:job.embedded + len(result)] = result
-        job.embedded += len(result)
-        if job.embedded == len(job.request.inputs):
+        if job.done(piece, result):
             self._embedding.popleft()
+            assert job.vectors is not None
             self.send(Embeddings(piece.request_id, int(job.vectors.shape[1]), job.vectors.tobytes()))
 
     def _seeded(self, request: AddRequest) -> AddRequest:

@@ -1,8 +1,8 @@
 """What a large embeddings request costs the streams already running.
 
-    python -m tests.bench.embed_stall [--inputs 2048] [--tokens 200] [--streams 8]
+    python -m tests.bench.embed_stall [--model M] [--inputs 2048] [--tokens 200] [--streams 8]
 
-`mlxd serve` on the tiny random test model streams to --streams users (the
+`mlxd serve` on the tiny random test model (or --model) streams to --streams users (the
 benchmarks' load generator) while one more client sends one /v1/embeddings
 request of --inputs inputs of about --tokens tokens each. Reported: the
 streams' inter-token latency p50, p99 and maximum alone and beside the
@@ -41,13 +41,16 @@ async def beside_an_embedding(url: str, model: str, streams: int, requests: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="", help="default: the tiny random test model")
     parser.add_argument("--inputs", type=int, default=2048)
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--streams", type=int, default=8)
     args = parser.parse_args()
-    from tests.tiny_model import make_tiny_model
+    model_dir = args.model
+    if not model_dir:
+        from tests.tiny_model import make_tiny_model
 
-    model_dir = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
+        model_dir = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
     inputs = [[(7 * i + j) % 380 + 3 for j in range(args.tokens)] for i in range(args.inputs)]
     requests = 20 * args.streams
     with http_system("mlxd", model_dir, args.streams) as server:
