@@ -57,7 +57,7 @@ from gateway.plan import (
     template_tool_call,
     tool_definitions,
 )
-from gateway.responses import NDJSON, MsgspecResponse
+from gateway.responses import NDJSON, MsgspecResponse, json_line
 from gateway.security import keep_alive_for
 from gateway.serving import OLLAMA_DEFAULT_TAG, Choice, Serving
 
@@ -192,7 +192,9 @@ def calls_of(calls: list[ParsedCall]) -> list[ToolCall] | None:
 
 
 def line(chunk: msgspec.Struct | dict) -> bytes:
-    return msgspec.json.encode(chunk) + b"\n"
+    """One NDJSON line: the `ollama` client reads them with httpx's iter_lines,
+    which also ends a line at U+2028, U+2029 and U+0085 (json_line escapes them)."""
+    return json_line(chunk) + b"\n"
 
 
 class _Output(abc.ABC):

@@ -20,15 +20,20 @@ NDJSON = "application/x-ndjson"
 _LINE_BREAKS_IN_STRINGS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
 
 
-def sse_event(payload: Any, name: str | None = None) -> bytes:
-    """One server-sent event: an optional `event:` line and the payload as JSON
-    on one `data:` line, whatever text the payload carries."""
+def json_line(payload: Any) -> bytes:
+    """The payload as JSON that no line reader cuts, whatever text it carries."""
     data = _encoder.encode(payload)
     for raw, escaped in _LINE_BREAKS_IN_STRINGS:
         if raw in data:
             data = data.replace(raw, escaped)
+    return data
+
+
+def sse_event(payload: Any, name: str | None = None) -> bytes:
+    """One server-sent event: an optional `event:` line and the payload as JSON
+    on one `data:` line."""
     head = b"event: " + name.encode() + b"\n" if name else b""
-    return head + b"data: " + data + b"\n\n"
+    return head + b"data: " + json_line(payload) + b"\n\n"
 
 
 class MsgspecResponse(JSONResponse):

@@ -12,6 +12,7 @@ import ollama
 import pytest
 
 from tests.conftest import MODEL_NAME, Server, running, wait_for
+from tests.scripted_model import make_scripted_model
 from tests.test_embeddings import expected as expected_embedding
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about the sea."}]
@@ -209,3 +210,18 @@ def test_the_api_is_behind_the_keys(tiny_model, tmp_path):
         assert response.status_code == 401 and list(response.json()) == ["error"]
         keyed = ollama.Client(host=srv.url, headers={"Authorization": "Bearer sk-o"})
         assert keyed.chat(model=MODEL_NAME, messages=MESSAGES, options=GREEDY).done
+
+
+def test_a_line_separator_in_the_text_stays_inside_its_ndjson_line(tmp_path):
+    """Ollama's client reads the stream with httpx's iter_lines, which ends a line at U+2028 too:
+    written raw, the character cut a line's JSON in two and the client failed the whole answer."""
+    model = make_scripted_model(tmp_path / "scripted", ["Line one\u2028line two.", " Done\x85."])
+    with running(["serve", "--model", str(model), "--served-model-name", "scripted"], tmp_path / "serve.log") as srv:
+        client = ollama.Client(host=srv.url)
+        messages = [{"role": "user", "content": "Go"}]
+        streamed = "".join(p.message.content for p in client.chat(model="scripted", messages=messages, stream=True))
+        assert streamed == client.chat(model="scripted", messages=messages).message.content
+        assert streamed == "Line one\u2028line two. Done\x85."
+        generated = "".join(p.response for p in client.generate(model="scripted", prompt="Go", stream=True))
+        assert generated == streamed
+
