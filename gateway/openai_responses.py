@@ -327,6 +327,7 @@ class ResponseOutput:
         self._sequence = 0
         self._items: list[OutputItem] = []
         self._open: ReasoningOut | OutputMessage | None = None
+        self._held = ""  # whitespace alone opens no message; it goes in front of the text after it
         self._finish: str | None = None
         reasoning = body.reasoning
         self._summarize = reasoning is not None and (reasoning.summary or reasoning.generate_summary) is not None
@@ -411,6 +412,7 @@ class ResponseOutput:
     def delta(self, delta: Delta) -> list[bytes]:
         out = []
         if delta.reasoning:
+            self._held = ""  # between items: no message's (as in body)
             out += self._open_item(self._reasoning("", status="in_progress"))
             assert isinstance(self._open, ReasoningOut)
             self._open.part.text += delta.reasoning
@@ -419,12 +421,12 @@ class ResponseOutput:
             out.append(self._event(kind, item_id=self._open.id, output_index=len(self._items), **where,
                                    delta=delta.reasoning))
         if delta.text and (delta.text.strip() or isinstance(self._open, OutputMessage)):
-            out += self._open_item(OutputMessage(_new_id("msg"), "in_progress", []))
-            assert isinstance(self._open, OutputMessage)
-            self._open.content[0].text += delta.text
-            out.append(self._event("response.output_text.delta", item_id=self._open.id,
-                                   output_index=len(self._items), content_index=0, delta=delta.text, logprobs=[]))
+            out += self._text(self._held + delta.text)
+            self._held = ""
+        elif delta.text:
+            self._held += delta.text
         for call in delta.tool_calls:
+            self._held = ""
             out += self._close_item()
             item = self._call(call)
             index = len(self._items)
@@ -438,6 +440,15 @@ class ResponseOutput:
             self._items.append(item)
         if delta.finish_reason is not None:
             self._finish = delta.finish_reason
+        return out
+
+    def _text(self, text: str) -> list[bytes]:
+        """The message's next text, opening the message if none is open."""
+        out = self._open_item(OutputMessage(_new_id("msg"), "in_progress", []))
+        assert isinstance(self._open, OutputMessage)
+        self._open.content[0].text += text
+        out.append(self._event("response.output_text.delta", item_id=self._open.id,
+                               output_index=len(self._items), content_index=0, delta=text, logprobs=[]))
         return out
 
     def _open_item(self, item: ReasoningOut | OutputMessage) -> list[bytes]:
@@ -489,8 +500,12 @@ class ResponseOutput:
     def ending(self, group: RequestGroup, error: APIError | None) -> list[bytes]:
         out = []
         cut_in_reasoning = self._finish == "length" and isinstance(self._open, ReasoningOut)
-        if error is None and not self._items and not isinstance(self._open, OutputMessage) and not cut_in_reasoning:
-            out += self._open_item(OutputMessage(_new_id("msg"), "in_progress", []))  # an empty answer
+        answered = isinstance(self._open, OutputMessage) or any(isinstance(i, OutputMessage | FunctionCallOut)
+                                                               for i in self._items)
+        if error is None and not answered and not cut_in_reasoning:
+            # An empty answer, or whitespace alone: a message still, as in body.
+            out += self._text(self._held) if self._held else self._open_item(
+                OutputMessage(_new_id("msg"), "in_progress", []))
         out += self._close_item("incomplete" if error is not None or self._finish == "length" else "completed")
         response = self._finished(group, error)
         # The Responses API streams no event of its own for a cancel: it ends as a failure, its status cancelled.

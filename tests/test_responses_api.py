@@ -246,6 +246,27 @@ def test_reasoning_cut_short_is_the_incomplete_item(reasoning_server, validate):
     assert [(item["type"], item["status"]) for item in final["output"]] == [("reasoning", "incomplete")]
 
 
+def test_whitespace_that_opens_the_answer_is_streamed_too(tmp_path):
+    """Whitespace alone opens no message, but it is the start of the text after it (code's indentation,
+    a token of its own in many vocabularies): the stream dropped it, and said another answer than body."""
+    script = ["<think>", "\nthink\n", "</think>", "\n", "    ", "return", " x"]
+    path = make_scripted_model(tmp_path / "model", script, "<think>")
+    server = Server(["serve", "--model", str(path), "--served-model-name", "scripted"], tmp_path / "serve.log")
+    try:
+        server.wait_ready()
+        body = {"model": "scripted", "input": "Code?", "temperature": 0}
+        whole = server.http.post("/v1/responses", json=body).json()
+        with server.http.stream("POST", "/v1/responses", json=dict(body, stream=True)) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    finally:
+        server.stop()
+    texts = [part["text"] for item in whole["output"] if item["type"] == "message" for part in item["content"]]
+    assert texts == ["    return x"]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "    return x"
+    final = events[-1]["response"]["output"]
+    assert [part["text"] for item in final if item["type"] == "message" for part in item["content"]] == texts
+
+
 def test_a_cancelled_response_says_cancelled(server, validate):
     body = {"model": MODEL_NAME, "input": "Once upon a time", "temperature": 0, "max_output_tokens": 1500,
             "stream": True}
