@@ -66,13 +66,18 @@ def event(name: str, payload: dict) -> bytes:
     return sse_event(payload, name)
 
 
-def stop_reason(finish_reason: str | None, stop_string: str | None, calls: int) -> tuple[str, str | None]:
-    """The message's stop_reason, and its stop_sequence (only with stop_reason "stop_sequence")."""
+def stop_reason(finish_reason: str | None, stop_string: str | None, calls: int,
+                context_bound: bool = False) -> tuple[str, str | None]:
+    """The message's stop_reason, and its stop_sequence (only with stop_reason "stop_sequence").
+    context_bound: the context had less room than max_tokens asked for (the generation's limit was its
+    room), so a length stop is the context window's, not max_tokens' (Claude Code asks for 128,000)."""
     if calls:
         return "tool_use", None
     if stop_string is not None:
         return "stop_sequence", stop_string
-    return "max_tokens" if finish_reason == "length" else "end_turn", None
+    if finish_reason == "length":
+        return "model_context_window_exceeded" if context_bound else "max_tokens", None
+    return "end_turn", None
 
 
 def chat_input(body: Conversation) -> ChatInput:
@@ -188,7 +193,7 @@ class AnthropicAPI:
     async def messages(self, request: Request) -> Response:
         body = decode_body(await self.serving.read_body(request), MessagesRequest)
         return await self.serving.respond(request, messages_plan(body),
-                                          MessageOutput(body.model, shows_thinking(body)))
+                                          MessageOutput(body.model, body.max_tokens, shows_thinking(body)))
 
 
 def usage(group: RequestGroup) -> Usage:
@@ -211,9 +216,10 @@ class MessageOutput:
 
     media_type = SSE
 
-    def __init__(self, model: str, shows_thinking: bool = True) -> None:
+    def __init__(self, model: str, max_tokens: int, shows_thinking: bool = True) -> None:
         self.id = f"msg_{uuid.uuid4().hex}"
         self.model = model
+        self._max_tokens = max_tokens  # as asked: the context may have held less
         self._shows_thinking = shows_thinking
         self._blocks = Blocks()
         self._calls = 0
@@ -249,7 +255,7 @@ class MessageOutput:
     def ending(self, group: RequestGroup, error: APIError | None) -> list[bytes]:
         if error is not None:
             return [event("error", anthropic_error_body(error.status, error.message))]
-        reason, sequence = stop_reason(*self._finish, self._calls)
+        reason, sequence = stop_reason(*self._finish, self._calls, self._context_bound(group))
         return [*self._blocks.close(ensure_one=True),
                 event("message_delta", {"type": "message_delta",
                                         "delta": {"stop_reason": reason, "stop_sequence": sequence},
@@ -267,8 +273,12 @@ class MessageOutput:
             elif value.strip():  # whitespace alone is no block
                 content.append(TextOut(value))
         content = content or [TextOut(choice.text)]
-        reason, sequence = stop_reason(choice.finish_reason, choice.stop_string, len(choice.tool_calls))
+        reason, sequence = stop_reason(choice.finish_reason, choice.stop_string, len(choice.tool_calls),
+                                       self._context_bound(group))
         return MessageOut(self.id, self.model, content, reason, sequence, usage(group))
+
+    def _context_bound(self, group: RequestGroup) -> bool:
+        return group.states[0].sampling.max_tokens < self._max_tokens
 
 
 class Blocks:

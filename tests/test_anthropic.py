@@ -100,6 +100,31 @@ def test_stop_sequences(client, reference, stream):
     assert message.stop_sequence == stop
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_message_that_fills_the_context_stops_for_the_context_window(client, server, reference, stream):
+    """max_tokens beyond the context's room is held to the room: a message that fills it stopped with
+    "max_tokens", which says the client's own limit was reached (Claude Code asks for 128,000)."""
+    def asking(n: int) -> list[dict]:
+        return [{"role": "user", "content": "the cat sat on the mat. " * n}]
+
+    once, twice = (len(reference.chat_prompt(asking(n))) for n in (1, 2))
+    messages = asking((reference.model.args.max_position_embeddings - 30 - once) // (twice - once) + 1)
+    prompt = reference.chat_prompt(messages)
+    room = reference.model.args.max_position_embeddings - len(prompt)
+    assert 0 < room <= 30 + twice - once and reference.greedy(prompt, room).finish_reason == "length"
+    for max_tokens, reason in ((100_000, "model_context_window_exceeded"), (room - 1, "max_tokens")):
+        if stream:
+            with client.messages.stream(model=MODEL_NAME, max_tokens=max_tokens, messages=messages,
+                                        extra_body=GREEDY) as s:
+                message = s.get_final_message()
+            got = message.stop_reason, message.usage.output_tokens
+        else:  # the SDK streams whatever may take long: max_tokens 100,000 only goes in plain HTTP
+            body = server.http.post("/v1/messages", json={"model": MODEL_NAME, "max_tokens": max_tokens,
+                                                          "messages": messages, **GREEDY}).json()
+            got = body["stop_reason"], body["usage"]["output_tokens"]
+        assert got == (reason, min(room, max_tokens))
+
+
 def test_count_tokens(client, reference):
     count = client.messages.count_tokens(model=MODEL_NAME, system=SYSTEM, messages=MESSAGES)
     assert count.input_tokens == len(reference.chat_prompt(chat_of(SYSTEM, MESSAGES)))

@@ -8,7 +8,7 @@ from gateway.parsing import ToolCall
 
 
 def events(*deltas: Delta) -> list[dict]:
-    out = MessageOutput("tiny")
+    out = MessageOutput("tiny", 100)
     raw = b"".join(piece for delta in deltas for piece in out.delta(delta))
     return [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
 
@@ -42,7 +42,7 @@ def test_tool_arguments_that_are_not_an_object_stream_as_an_empty_one():
 
 
 def test_a_keepalive_is_a_ping_wherever_it_comes():
-    out = MessageOutput("tiny")
+    out = MessageOutput("tiny", 100)
     first = out.delta(Delta("Hello"))
     ping = out.delta(KEEPALIVE)
     assert ping == [b'event: ping\ndata: {"type":"ping"}\n\n'] and out.delta(Delta(" there"))[0].startswith(
