@@ -155,6 +155,15 @@ def load_processor(directory: str, tokenizer: Any) -> ProcessorMixin | PixtralPr
                        video_processor=None, **settings)
 
 
+def image_tokens(processor: Any) -> list[str]:
+    """The text of each token that stands for an image in this processor's
+    prompts: the placeholder a template writes, and the tokens the processor
+    expands it to (Gemma 3's `<start_of_image>` becomes `<image_soft_token>`s)."""
+    found = [getattr(owner, name, None) for owner in (processor, processor.tokenizer)
+             for name in ("image_token", "boi_token", "video_token")]
+    return list(dict.fromkeys(t for t in found if isinstance(t, str) and t))
+
+
 def _settings(directory: str, name: str) -> dict:
     """A processor's JSON file (as AutoProcessor would read it); {} if there is none."""
     path = Path(directory) / name
@@ -252,14 +261,16 @@ class Tokenizer:
             # of a second or more, thread or not) and skips the offsets nobody reads.
             return Prompt(text, self.rust.encode_batch_fast([text], add_special_tokens=False)[0].ids)
         assert self.processor is not None, "images reach only a vision model's tokenizer"
+        # Written in a message, an image token is an image position more than the images fill.
+        written = "".join(_text_of(m["content"]) for m in messages)
+        if held := [token for token in image_tokens(self.processor) if token in written]:
+            raise PromptError(f"the messages' text holds the model's image token {held[0]!r}, which stands for "
+                              "an image here; write it otherwise")
         # Some templates leave out the images of some messages (Gemma 3's and Mistral's
         # of a system message), and some processors then fill the placeholders left
         # with the first images: the model would be shown another image than asked.
         placeholder = getattr(self.processor, "boi_token", None) or getattr(self.processor, "image_token", None)
         if isinstance(placeholder, str) and placeholder and (placed := text.count(placeholder)) != len(images):
-            if written := sum(_text_of(m["content"]).count(placeholder) for m in messages):
-                raise PromptError(f"the messages' text holds the model's image token {placeholder!r} "
-                                  f"({written} times), which stands for an image here; write it otherwise")
             raise PromptError(f"the model's chat template placed {placed} of the request's {len(images)} images "
                               "in the prompt (templates leave out images in some messages, such as a system "
                               "message's); send images in user messages")

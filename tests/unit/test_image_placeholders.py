@@ -1,6 +1,6 @@
 """A template that leaves an image out of the prompt is a clear 400, never
 another image in its place (some processors fill the placeholders left with
-the first images); so is the model's image token written in a message's text."""
+the first images); so is any image token of the model written in a message's text."""
 
 import json
 import subprocess
@@ -29,13 +29,17 @@ for first in ("user", "system"):
         out.append("ok")
     except PromptError as e:
         out.append(str(e))
-token = getattr(tokenizer.processor, "boi_token", None) or tokenizer.processor.image_token
-try:  # the model's image token written in a question about it
-    tokenizer.chat_prompt([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"what is {token}?"}]}],
-                          images=images[:1])
-    out.append("ok")
-except PromptError as e:
-    out.append(str(e))
+config = json.loads((path / "config.json").read_text())
+image_id = config.get("image_token_index", config.get("image_token_id"))
+placeholder = getattr(tokenizer.processor, "boi_token", None) or tokenizer.processor.image_token
+# The template's placeholder, and the token the vision model counts (Gemma 3's differ).
+for token in (placeholder, tokenizer._tok.convert_ids_to_tokens(image_id)):
+    try:  # written in a question about the image
+        tokenizer.chat_prompt([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"what is {token}?"}]}],
+                              images=images[:1])
+        out.append("ok")
+    except PromptError as e:
+        out.append(str(e))
 print(json.dumps(out))
 """
 
@@ -49,7 +53,8 @@ def test_an_image_the_template_leaves_out_is_a_clear_error(tmp_path, family):
     (path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
     run = subprocess.run([sys.executable, "-c", PROMPTS, str(path)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
-    both_asked, one_left_out, token_in_text = json.loads(run.stdout)
+    both_asked, one_left_out, *tokens_in_text = json.loads(run.stdout)
     assert both_asked == "ok"
     assert "placed 1 of the request's 2 images" in one_left_out
-    assert "text holds the model's image token" in token_in_text
+    # Gemma 3's <image_soft_token> passed, and failed the request in the worker (a 500, or a 200 cut short).
+    assert all("text holds the model's image token" in answer for answer in tokens_in_text), tokens_in_text
