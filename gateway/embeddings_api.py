@@ -49,15 +49,17 @@ class EmbeddingsAPI:
         return MsgspecResponse(EmbeddingList(data, body.model, EmbeddingUsage(tokens, tokens)))
 
     async def vectors(self, request: Request, model: str, keep_alive: str | float | None,
-                      inputs: list[str | list[int]], dimensions: int | None) -> tuple[list[array], int]:
+                      inputs: list[str | list[int]], dimensions: int | None,
+                      truncate: bool = False) -> tuple[list[array], int]:
         """One vector per input (shortened to `dimensions` when asked), and the tokens they took.
-        Every API's embeddings are made here (OpenAI's, Ollama's)."""
+        Every API's embeddings are made here (OpenAI's, Ollama's). With `truncate`, an input longer
+        than the context is cut to it, its start kept (Ollama's default), instead of a 400."""
         serving = self.serving
         if not inputs or any(len(i) == 0 for i in inputs):
             raise APIError(400, "an input is empty" if inputs else "there is no input", param="input")
         lease, worker = await serving.lease(model, keep_alive_seconds(keep_alive), request=request)
         try:
-            token_lists = [await self._tokens(worker, i) for i in inputs]
+            token_lists = [await self._tokens(worker, i, truncate) for i in inputs]
             # What a forward pass holds is the KV state of its tokens, as a prefill's; the worker
             # runs the inputs one after another, so the largest is what the request holds at once.
             footprint = worker.hello.kv_footprint
@@ -89,8 +91,9 @@ class EmbeddingsAPI:
             vectors = [shortened(vector, dimensions) for vector in vectors]
         return vectors, sum(len(t) for t in token_lists)
 
-    async def _tokens(self, worker: WorkerState, value: str | list[int]) -> list[int]:
-        """One input's token ids, within the model's vocabulary and context (400s)."""
+    async def _tokens(self, worker: WorkerState, value: str | list[int], truncate: bool) -> list[int]:
+        """One input's token ids, within the model's vocabulary and context (400s; cut to the context
+        with `truncate`)."""
         if isinstance(value, str):
             tokens = await tokenize(len(value), worker.tokenizer.encode_text, value, param="input")
         else:
@@ -98,6 +101,8 @@ class EmbeddingsAPI:
             if (bad := next((t for t in value if not 0 <= t < vocab), None)) is not None:
                 raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="input")
             tokens = value
+        if truncate:
+            return tokens[:worker.hello.context_length]
         if len(tokens) > worker.hello.context_length:
             raise APIError(400, f"an input has {len(tokens)} tokens; this model's context is "
                            f"{worker.hello.context_length}", param="input", code="context_length_exceeded")

@@ -327,7 +327,7 @@ class OllamaAPI:
             return MsgspecResponse(Embed(body.model, [], nanoseconds(time.monotonic() - started), 0, 0))
         inputs: list[str | list[int]] = [body.input] if isinstance(body.input, str) else list(body.input)
         vectors, tokens = await self.embeddings.vectors(request, body.model, body.keep_alive, inputs,
-                                                        body.dimensions)
+                                                        body.dimensions, body.truncate)
         return MsgspecResponse(Embed(body.model, [v.tolist() for v in vectors],
                                      nanoseconds(time.monotonic() - started), 0, tokens))
 

@@ -90,6 +90,21 @@ def test_embed_and_the_older_embeddings(client, reference):
     np.testing.assert_allclose(older.embedding, result.embeddings[0], rtol=0, atol=1e-7)
 
 
+def test_embed_cuts_an_input_longer_than_the_context_unless_told_not_to(client, reference):
+    """Ollama's `truncate` (true unless sent false) keeps an input's start; it was ignored, and every
+    over-long chunk of a RAG ingestion (LangChain's OllamaEmbeddings, Open WebUI) failed it."""
+    text = "the cat sat on the mat. " * 400
+    ids = reference.text_prompt(text)
+    context = reference.model.args.max_position_embeddings
+    assert len(ids) > context
+    result = client.embed(model=MODEL_NAME, input=text)
+    assert result.prompt_eval_count == context
+    np.testing.assert_allclose(result.embeddings[0], expected_embedding(reference, ids[:context]), rtol=0, atol=1e-5)
+    with pytest.raises(ollama.ResponseError) as refused:
+        client.embed(model=MODEL_NAME, input=text, truncate=False)
+    assert refused.value.status_code == 400 and "context" in refused.value.error
+
+
 def test_tags_ps_show_and_version(client, server):
     listed = client.list().models
     assert [m.model for m in listed] == [MODEL_NAME + ":latest"]
