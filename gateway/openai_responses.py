@@ -173,9 +173,25 @@ def input_items(body: CreateResponse, stored_item: Callable[[str], dict | None])
     return items
 
 
+def _continue_turn(message: dict, parts: list[dict], reasoning: str) -> None:
+    """An assistant message's parts and reasoning added to the assistant message
+    before it: one response's output ([message, function_call, message], as a
+    stateless client such as Codex sends it back) is one turn, as the stored
+    response renders it (text after a call went in a turn of its own, between
+    the call and its result)."""
+    content = message["content"]
+    for part in parts:
+        if part["type"] == "text" and content and content[-1]["type"] == "text":
+            content[-1] = {"type": "text", "text": content[-1]["text"] + part["text"]}
+        else:
+            content.append(part)
+    if reasoning:
+        message["reasoning_content"] = message.get("reasoning_content", "") + reasoning
+
+
 def conversation(items: list[Any]) -> tuple[list[dict], list[ImageSource]]:
-    """Input items as chat template messages: a function call joins the
-    assistant message before it; a reasoning item goes to the assistant
+    """Input items as chat template messages: a function call, or an assistant
+    message, joins the assistant message before it; a reasoning item goes to the assistant
     message after it as its `reasoning_content`, for templates that replay
     it (Qwen 3's, after the last user message: an agent's tool loop)."""
     messages: list[dict] = []
@@ -197,7 +213,10 @@ def conversation(items: list[Any]) -> tuple[list[dict], list[ImageSource]]:
                     images.append(ImageSource(f"input[{i}].content[{j}].image_url", url=part.image_url))
                     parts.append({"type": "image"})
             role = "system" if item.role == "developer" else item.role
-            messages.append(template_message(role, parts, None, reasoning if role == "assistant" else ""))
+            if role == "assistant" and messages and messages[-1]["role"] == "assistant":
+                _continue_turn(messages[-1], parts, reasoning)
+            else:
+                messages.append(template_message(role, parts, None, reasoning if role == "assistant" else ""))
             reasoning = ""  # an assistant message's, or of a turn that ended before one (cut short)
         elif isinstance(item, FunctionCallItem):
             call = template_tool_call(item.call_id, item.name, item.arguments)

@@ -153,6 +153,31 @@ def test_a_function_call_round_trip(tool_server, validate):
     assert resent.usage.input_tokens == second.usage.input_tokens
 
 
+def test_text_after_a_call_sent_back_is_the_same_turn_as_stored(tmp_path):
+    """A response's output [message, function_call, message] sent back whole (Codex, store: false) rendered
+    its second message as a turn of its own between the call and its result: another prompt than the
+    stored response's continuation, and a miss in the prefix cache every turn."""
+    markers, script = SCRIPTS["hermes-between"]
+    path = make_scripted_model(tmp_path / "model", script, markers)
+    server = Server(["serve", "--model", str(path), "--served-model-name", "scripted"], tmp_path / "serve.log")
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        first = client.responses.create(model="scripted", input="Weather in Paris?", tools=TOOLS, temperature=0)
+        assert [item.type for item in first.output] == ["message", "function_call", "message"]
+        (call,) = [item for item in first.output if item.type == "function_call"]
+        result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}
+        stored = client.responses.create(model="scripted", previous_response_id=first.id, tools=TOOLS,
+                                         temperature=0, input=[result], max_output_tokens=1)
+        history = [{"role": "user", "content": "Weather in Paris?"},
+                   *[item.model_dump(mode="json", by_alias=True) for item in first.output], result]
+        resent = client.responses.create(model="scripted", input=history, tools=TOOLS, temperature=0, store=False,
+                                         max_output_tokens=1)
+    finally:
+        server.stop()
+    assert resent.usage.input_tokens == stored.usage.input_tokens
+
+
 def test_a_namespaces_functions_are_offered_and_their_calls_name_it(tool_server, validate):
     """Codex offers its sub-agent tools under a namespace tool; a call to one says which namespace it is in."""
     namespaced = [{"type": "namespace", "name": "forecasts", "description": "Weather services",
