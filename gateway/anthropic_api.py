@@ -7,6 +7,7 @@ message, with Anthropic's stop reasons and error shape.
 
 from __future__ import annotations
 
+import base64
 import uuid
 
 import msgspec
@@ -62,8 +63,30 @@ from gateway.serving import Choice, Serving
 PING_EVERY_S = 15.0
 
 
+# Thinking blocks come back signed, their signature carrying the reasoning: a
+# client shown none of it (`display: "omitted"`, as Claude Code asks) sends the
+# block back as it came, and the template replays the reasoning of a tool loop
+# (Qwen 3's, after the last user message) as the model wrote it.
+SIGNATURE_PREFIX = "mlxd-reasoning:"
+
+
 def event(name: str, payload: dict) -> bytes:
     return sse_event(payload, name)
+
+
+def signature_of(reasoning: str) -> str:
+    return SIGNATURE_PREFIX + base64.b64encode(reasoning.encode()).decode()
+
+
+def reasoning_of(block: ThinkingBlock) -> str:
+    """A thinking block's reasoning: its text, or what its signature carries where it has none."""
+    signature = block.signature or ""
+    if block.thinking or not signature.startswith(SIGNATURE_PREFIX):
+        return block.thinking
+    try:
+        return base64.b64decode(signature.removeprefix(SIGNATURE_PREFIX), validate=True).decode()
+    except ValueError:  # not one of ours after all (binascii.Error, UnicodeDecodeError)
+        return ""
 
 
 def stop_reason(finish_reason: str | None, stop_string: str | None, calls: int,
@@ -119,7 +142,7 @@ def chat_input(body: Conversation) -> ChatInput:
             elif isinstance(block, ToolResultBlock):
                 messages.append(template_message("tool", block.text(), tool_call_id=block.tool_use_id))
             elif isinstance(block, ThinkingBlock):
-                thinking.append(block.thinking)
+                thinking.append(reasoning_of(block))
         if parts or tool_calls:
             messages.append(template_message(role, parts, tool_calls, "".join(thinking) if role == "assistant" else ""))
     # A conversation that ends with the assistant's text is a prefill: the answer goes on from it.
@@ -167,13 +190,15 @@ def messages_plan(body: MessagesRequest) -> Plan:
     )
 
 
-def shows_thinking(body: MessagesRequest) -> bool:
-    """Whether reasoning comes back as thinking blocks: only where thinking is
-    on (a model that reasons whatever its template is told keeps it to
-    itself otherwise, as Anthropic returns no thinking unasked), and not with
-    `thinking.display` "omitted"."""
-    return (template_kwargs(body) or {}).get("enable_thinking") is True \
-        and getattr(body.thinking, "display", None) != "omitted"
+def thinking_blocks(body: MessagesRequest) -> str | None:
+    """How reasoning comes back: as `thinking` blocks ("shown"), as blocks of
+    no text whose signature alone carries it ("omitted", for `thinking.display`
+    "omitted"), or not at all (None) where thinking is not on: a model that
+    reasons whatever its template is told keeps it to itself then, as
+    Anthropic returns no thinking unasked."""
+    if (template_kwargs(body) or {}).get("enable_thinking") is not True:
+        return None
+    return "omitted" if getattr(body.thinking, "display", None) == "omitted" else "shown"
 
 
 class AnthropicAPI:
@@ -193,7 +218,7 @@ class AnthropicAPI:
     async def messages(self, request: Request) -> Response:
         body = decode_body(await self.serving.read_body(request), MessagesRequest)
         return await self.serving.respond(request, messages_plan(body),
-                                          MessageOutput(body.model, body.max_tokens, shows_thinking(body)))
+                                          MessageOutput(body.model, body.max_tokens, thinking_blocks(body)))
 
 
 def usage(group: RequestGroup) -> Usage:
@@ -216,11 +241,12 @@ class MessageOutput:
 
     media_type = SSE
 
-    def __init__(self, model: str, max_tokens: int, shows_thinking: bool = True) -> None:
+    def __init__(self, model: str, max_tokens: int, thinking: str | None = "shown") -> None:
+        """thinking: how reasoning comes back (thinking_blocks)."""
         self.id = f"msg_{uuid.uuid4().hex}"
         self.model = model
         self._max_tokens = max_tokens  # as asked: the context may have held less
-        self._shows_thinking = shows_thinking
+        self._thinking = thinking
         self._blocks = Blocks()
         self._calls = 0
         self._finish: tuple[str | None, str | None] = (None, None)  # the finish reason and the stop string met
@@ -238,10 +264,10 @@ class MessageOutput:
             return [event("ping", {"type": "ping"})]
         blocks = self._blocks
         out = []
-        if delta.reasoning and self._shows_thinking:
-            out += blocks.add("thinking", {"type": "thinking_delta", "thinking": delta.reasoning})
+        if delta.reasoning and self._thinking is not None:
+            out += blocks.think(delta.reasoning, shown=self._thinking == "shown")
         if delta.text and (delta.text.strip() or blocks.kind == "text"):
-            out += blocks.add("text", {"type": "text_delta", "text": self._held + delta.text})
+            out += blocks.text(self._held + delta.text)
             self._held = ""
         elif delta.text:
             self._held += delta.text
@@ -269,7 +295,8 @@ class MessageOutput:
             if isinstance(value, ToolCall):
                 content.append(tool_use(value))
             elif kind == "reasoning":
-                content += [ThinkingOut(value)] if self._shows_thinking else []
+                if self._thinking is not None:
+                    content.append(ThinkingOut(value if self._thinking == "shown" else "", signature_of(value)))
             elif value.strip():  # whitespace alone is no block
                 content.append(TextOut(value))
         content = content or [TextOut(choice.text)]
@@ -287,36 +314,49 @@ class Blocks:
     def __init__(self) -> None:
         self.index = -1
         self.kind: str | None = None
+        self._thought = ""  # the open thinking block's reasoning: its signature, once it closes
 
     def _start(self, kind: str, block: dict) -> bytes:
         self.index += 1
         self.kind = kind
         return event("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
 
+    def _delta(self, delta: dict) -> bytes:
+        return event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
     def close(self, ensure_one: bool = False) -> list[bytes]:
         out = []
         if self.kind is None and ensure_one and self.index < 0:
             out.append(self._start("text", {"type": "text", "text": ""}))
+        if self.kind == "thinking":
+            out.append(self._delta({"type": "signature_delta", "signature": signature_of(self._thought)}))
+            self._thought = ""
         if self.kind is not None:
             out.append(event("content_block_stop", {"type": "content_block_stop", "index": self.index}))
             self.kind = None
         return out
 
-    def add(self, kind: str, delta: dict) -> list[bytes]:
-        out = []
-        if self.kind != kind:
-            out += self.close()
-            empty = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
-            out.append(self._start(kind, empty))
-        out.append(event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}))
+    def _open(self, kind: str, empty: dict) -> list[bytes]:
+        if self.kind == kind:
+            return []
+        return [*self.close(), self._start(kind, empty)]
+
+    def think(self, reasoning: str, shown: bool) -> list[bytes]:
+        """Reasoning, in the open thinking block: as thinking_deltas where shown, in its signature alone if not."""
+        out = self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+        self._thought += reasoning
+        if shown:
+            out.append(self._delta({"type": "thinking_delta", "thinking": reasoning}))
         return out
+
+    def text(self, text: str) -> list[bytes]:
+        return [*self._open("text", {"type": "text", "text": ""}), self._delta({"type": "text_delta", "text": text})]
 
     def tool_use(self, call: ToolCall) -> list[bytes]:
         # Clients parse the pieces, put together, as the input object: arguments that are not one are {}.
         partial_json = call.arguments if arguments_object(call.arguments) is not None else "{}"
         out = self.close()
         out.append(self._start("tool_use", {"type": "tool_use", "id": tool_use_id(call), "name": call.name, "input": {}}))
-        out.append(event("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                                 "delta": {"type": "input_json_delta", "partial_json": partial_json}}))
+        out.append(self._delta({"type": "input_json_delta", "partial_json": partial_json}))
         out += self.close()
         return out

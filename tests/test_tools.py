@@ -311,6 +311,15 @@ def test_anthropic_thinking_blocks(scripted):
                                 thinking={"type": "enabled", "budget_tokens": 1024}) as stream:
         final = stream.get_final_message()
     assert [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[0].signature == message.content[0].signature != ""
+    # Omitted, as Claude Code asks: blocks of no text whose signature carries the reasoning back.
+    omitted = {"type": "adaptive", "display": "omitted"}
+    hidden = client.messages.create(model="scripted", max_tokens=32, messages=ASK, thinking=omitted)
+    with client.messages.stream(model="scripted", max_tokens=32, messages=ASK, thinking=omitted) as stream:
+        hidden_streamed = stream.get_final_message()
+    for reply in (hidden, hidden_streamed):
+        assert [(b.type, getattr(b, "thinking", None)) for b in reply.content] == [("thinking", ""), ("text", None)]
+        assert reply.content[0].signature == message.content[0].signature
     import httpx
 
     names = []

@@ -4,7 +4,7 @@ request asks for it, and comes back only where it was asked for."""
 
 import msgspec
 
-from gateway.anthropic_api import chat_input, shows_thinking
+from gateway.anthropic_api import chat_input, signature_of, thinking_blocks
 from gateway.anthropic_schema import MessagesRequest
 from gateway.images import IMAGE_LEFT_OUT
 
@@ -34,14 +34,26 @@ def test_consecutive_messages_of_one_role_are_one_turn():
 
 def test_thinking_is_off_unless_asked_for_and_shown_only_then():
     assert chat_input(request()).template_kwargs == {"enable_thinking": False}
-    assert not shows_thinking(request())
-    assert not shows_thinking(request(thinking={"type": "disabled"}))
+    assert thinking_blocks(request()) is None
+    assert thinking_blocks(request(thinking={"type": "disabled"})) is None
     enabled = request(thinking={"type": "enabled", "budget_tokens": 1024})
-    assert chat_input(enabled).template_kwargs == {"enable_thinking": True} and shows_thinking(enabled)
-    assert not shows_thinking(request(thinking={"type": "adaptive", "display": "omitted"}))
+    assert chat_input(enabled).template_kwargs == {"enable_thinking": True} and thinking_blocks(enabled) == "shown"
+    assert thinking_blocks(request(thinking={"type": "adaptive", "display": "omitted"})) == "omitted"
     effort = request(output_config={"effort": "high"})  # an effort alone decides, as before
     assert chat_input(effort).template_kwargs == {"reasoning_effort": "high", "enable_thinking": True}
-    assert shows_thinking(effort)
+    assert thinking_blocks(effort) == "shown"
+
+
+def test_a_thinking_block_sent_back_without_its_text_replays_the_reasoning_its_signature_carries():
+    """Claude Code asks for thinking omitted and sends the blocks back as they came: their reasoning
+    went missing from the turns the template replays."""
+    call = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+    turn = [{"type": "thinking", "thinking": "", "signature": signature_of("Check the weather.\n")}, call]
+    prompt = chat_input(request(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": turn}]))
+    assert prompt.messages[1]["reasoning_content"] == "Check the weather.\n"
+    foreign = [{"type": "thinking", "thinking": "", "signature": "EqQBCkgIARABGAIiQ"}, call]  # Anthropic's own
+    prompt = chat_input(request(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": foreign}]))
+    assert "reasoning_content" not in prompt.messages[1]
 
 
 def test_an_image_in_a_tool_result_is_named_as_left_out():

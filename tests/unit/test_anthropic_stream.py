@@ -2,13 +2,13 @@
 
 import json
 
-from gateway.anthropic_api import MessageOutput
+from gateway.anthropic_api import MessageOutput, signature_of
 from gateway.output_processor import KEEPALIVE, Delta
 from gateway.parsing import ToolCall
 
 
-def events(*deltas: Delta) -> list[dict]:
-    out = MessageOutput("tiny", 100)
+def events(*deltas: Delta, thinking: str | None = "shown") -> list[dict]:
+    out = MessageOutput("tiny", 100, thinking)
     raw = b"".join(piece for delta in deltas for piece in out.delta(delta))
     return [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
 
@@ -48,3 +48,17 @@ def test_a_keepalive_is_a_ping_wherever_it_comes():
     assert ping == [b'event: ping\ndata: {"type":"ping"}\n\n'] and out.delta(Delta(" there"))[0].startswith(
         b"event: content_block_delta")
     assert first[0].startswith(b"event: content_block_start")
+
+
+def test_thinking_ends_signed_with_its_reasoning_and_omitted_shows_none_of_it():
+    deltas = (Delta("", reasoning="Think"), Delta("", reasoning=" more."), Delta("Paris.", finish_reason="stop"))
+    for thinking, shown in (("shown", ["Think", " more."]), ("omitted", [])):
+        stream = events(*deltas, thinking=thinking)
+        block = [e for e in stream if e.get("index") == 0]
+        assert block[0]["content_block"] == {"type": "thinking", "thinking": "", "signature": ""}
+        thoughts = [e["delta"]["thinking"] for e in block if e.get("delta", {}).get("type") == "thinking_delta"]
+        assert thoughts == shown
+        assert block[-2]["delta"] == {"type": "signature_delta", "signature": signature_of("Think more.")}
+        assert block[-1]["type"] == "content_block_stop" and text_of(stream) == "Paris."
+    assert not any(e.get("content_block", {}).get("type") == "thinking" for e in events(*deltas, thinking=None))
+
