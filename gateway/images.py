@@ -96,13 +96,15 @@ class ImageLoader:
 
     def _base64(self, data: str, param: str) -> bytes:
         limit = self.settings.max_image_bytes
+        # Line breaks are what `base64` and MIME encoders write every 76 characters: not counted against
+        # the limit. (Split and joined: a regular expression's pass took 1.5 ms for a 200 KB image, on
+        # the event loop.)
+        data = "".join(data.split())
         if len(data) * 3 // 4 > limit + 3:
             raise APIError(413, f"an image is larger than this server's limit of {limit} bytes", param=param,
                            code="image_too_large")
         try:
-            # Line breaks are what `base64` and MIME encoders write every 76 characters. (Split
-            # and joined: a regular expression's pass took 1.5 ms for a 200 KB image, on the event loop.)
-            raw = base64.b64decode("".join(data.split()), validate=True)
+            raw = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError):
             raise APIError(400, "the image is not valid base64", param=param, code="invalid_image") from None
         if len(raw) > limit:

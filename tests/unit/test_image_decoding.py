@@ -54,6 +54,11 @@ def test_gif_avif_and_base64_as_encoders_wrap_it():
     frames[0].save(out, "PNG")
     wrapped = base64.encodebytes(out.getvalue()).decode()  # a line break every 76 characters
     assert "\n" in wrapped and ImageLoader(GatewaySettings())._base64(wrapped, "image") == out.getvalue()
+    # Line breaks are not the image's bytes: an image of exactly the limit, wrapped, was a 413.
+    photo = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(photo, "PNG")
+    at_limit = ImageLoader(GatewaySettings(max_image_bytes=len(photo.getvalue())))
+    assert at_limit._base64(base64.encodebytes(photo.getvalue()).decode(), "image") == photo.getvalue()
 
 
 def test_an_image_too_thin_for_its_processor_is_refused():
