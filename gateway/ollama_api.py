@@ -261,6 +261,13 @@ class OllamaAPI:
     async def version(self, _request: Request) -> Response:
         return MsgspecResponse({"version": OLLAMA_VERSION})
 
+    async def manage(self, request: Request) -> Response:
+        """Ollama's model management (pull, push, create, copy, delete, blobs): models come
+        and go through mlxd's own commands on the server, not through this API."""
+        raise APIError(501, f"mlxd does not manage models through Ollama's API ({request.url.path}): on the "
+                            "server, `mlxd pull NAME` downloads a model, `mlxd rm NAME` removes one, and "
+                            "`mlxd serve --model` serves them")
+
     async def running(self, _request: Request) -> Response:
         """`/`: what Ollama answers there; its CLI checks it (HEAD) before every command."""
         return PlainTextResponse("Ollama is running")

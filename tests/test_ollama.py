@@ -90,6 +90,16 @@ def test_embed_and_the_older_embeddings(client, reference):
     np.testing.assert_allclose(older.embedding, result.embeddings[0], rtol=0, atol=1e-7)
 
 
+def test_model_management_says_how_mlxd_manages_models(client, server):
+    """Ollama's pull, create, copy, delete (Open WebUI's model manager calls them) were a bare 404."""
+    for call in (lambda: client.pull("smollm2"), lambda: client.delete("smollm2"),
+                 lambda: client.copy(MODEL_NAME, "other")):
+        with pytest.raises(ollama.ResponseError) as refused:
+            call()
+        assert refused.value.status_code == 501 and "mlxd pull NAME" in refused.value.error
+    assert server.http.head("/api/blobs/sha256:00").status_code == 501
+
+
 def test_embed_cuts_an_input_longer_than_the_context_unless_told_not_to(client, reference):
     """Ollama's `truncate` (true unless sent false) keeps an input's start; it was ignored, and every
     over-long chunk of a RAG ingestion (LangChain's OllamaEmbeddings, Open WebUI) failed it."""
