@@ -94,18 +94,20 @@ class EmbeddingsAPI:
     async def _tokens(self, worker: WorkerState, value: str | list[int], truncate: bool) -> list[int]:
         """One input's token ids, within the model's vocabulary and context (400s; cut to the context
         with `truncate`)."""
+        context = worker.hello.context_length
         if isinstance(value, str):
-            tokens = await tokenize(len(value), worker.tokenizer.encode_text, value, param="input")
+            tokens = await tokenize(len(value), worker.tokenizer.encode_text, value, context if truncate else None,
+                                    param="input")
         else:
             vocab = worker.hello.vocab_size
             if (bad := next((t for t in value if not 0 <= t < vocab), None)) is not None:
                 raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="input")
             tokens = value
         if truncate:
-            return tokens[:worker.hello.context_length]
-        if len(tokens) > worker.hello.context_length:
-            raise APIError(400, f"an input has {len(tokens)} tokens; this model's context is "
-                           f"{worker.hello.context_length}", param="input", code="context_length_exceeded")
+            return tokens[:context]
+        if len(tokens) > context:
+            raise APIError(400, f"an input has {len(tokens)} tokens; this model's context is {context}",
+                           param="input", code="context_length_exceeded")
         return tokens
 
 

@@ -291,10 +291,13 @@ class Tokenizer:
             arrays.append(array)
         return Prompt(text, out["input_ids"][0].tolist(), tensors, arrays, images_key(arrays))
 
-    def encode_text(self, text: str) -> list[int]:
+    def encode_text(self, text: str, limit: int | None = None) -> list[int]:
+        """limit: at most so many tokens, the text's end cut off and what the tokenizer
+        adds around it (an embedding model's EOS, which it pools on) kept."""
         # As mlx-lm does: add the BOS token unless the prompt already starts with it.
         bos = self._tok.bos_token
-        return self._tok.encode(text, add_special_tokens=bos is None or not text.startswith(bos))
+        return self._tok.encode(text, add_special_tokens=bos is None or not text.startswith(bos),
+                                truncation=limit is not None, max_length=limit)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.rust.decode(token_ids, skip_special_tokens=skip_special_tokens)

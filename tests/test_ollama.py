@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import numpy as np
 import ollama
@@ -100,18 +101,33 @@ def test_model_management_says_how_mlxd_manages_models(client, server):
     assert server.http.head("/api/blobs/sha256:00").status_code == 501
 
 
-def test_embed_cuts_an_input_longer_than_the_context_unless_told_not_to(client, reference):
-    """Ollama's `truncate` (true unless sent false) keeps an input's start; it was ignored, and every
-    over-long chunk of a RAG ingestion (LangChain's OllamaEmbeddings, Open WebUI) failed it."""
+def test_embed_cuts_an_input_longer_than_the_context_unless_told_not_to(tiny_model, reference, tmp_path):
+    """Ollama's `truncate` (true unless sent false) keeps an input's start, and what the tokenizer adds
+    after it: an embedding model's EOS, which it pools on (Qwen3-Embedding's tokenizer appends one).
+    It was ignored, and every over-long chunk of a RAG ingestion (LangChain's OllamaEmbeddings, Open
+    WebUI) was a 400."""
+    model = tmp_path / "eos"
+    shutil.copytree(tiny_model, model)
+    vocabulary = json.loads((model / "tokenizer.json").read_text())
+    eos = next(t["id"] for t in vocabulary["added_tokens"] if t["content"] == "<|im_end|>")
+    end = {"SpecialToken": {"id": "<|im_end|>", "type_id": 0}}
+    vocabulary["post_processor"] = {
+        "type": "TemplateProcessing", "single": [{"Sequence": {"id": "A", "type_id": 0}}, end],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}, end],
+        "special_tokens": {"<|im_end|>": {"id": "<|im_end|>", "ids": [eos], "tokens": ["<|im_end|>"]}}}
+    (model / "tokenizer.json").write_text(json.dumps(vocabulary))
     text = "the cat sat on the mat. " * 400
     ids = reference.text_prompt(text)
     context = reference.model.args.max_position_embeddings
     assert len(ids) > context
-    result = client.embed(model=MODEL_NAME, input=text)
+    with running(["serve", "--model", str(model), "--served-model-name", "eos"], tmp_path / "serve.log") as srv:
+        client = ollama.Client(host=srv.url)
+        result = client.embed(model="eos", input=text)
+        with pytest.raises(ollama.ResponseError) as refused:
+            client.embed(model="eos", input=text, truncate=False)
     assert result.prompt_eval_count == context
-    np.testing.assert_allclose(result.embeddings[0], expected_embedding(reference, ids[:context]), rtol=0, atol=1e-5)
-    with pytest.raises(ollama.ResponseError) as refused:
-        client.embed(model=MODEL_NAME, input=text, truncate=False)
+    np.testing.assert_allclose(result.embeddings[0], expected_embedding(reference, ids[:context - 1] + [eos]),
+                               rtol=0, atol=1e-5)
     assert refused.value.status_code == 400 and "context" in refused.value.error
 
 

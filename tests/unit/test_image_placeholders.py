@@ -44,7 +44,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "gemma3", "idefics3", "mistral3"])
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "gemma3", "idefics3", "smolvlm", "mistral3"])
 def test_an_image_the_template_leaves_out_is_a_clear_error(tmp_path, family):
     path = make_tiny_vision_model(tmp_path / family, family=family)
     # As Gemma 3's and Mistral's templates do: a system message keeps only its text.
