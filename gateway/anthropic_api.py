@@ -39,7 +39,7 @@ from gateway.anthropic_schema import (
 )
 from gateway.errors import APIError, anthropic_error_body, decode_body
 from gateway.images import ImageSource
-from gateway.output_processor import KEEPALIVE, Delta, RequestGroup
+from gateway.output_processor import Delta, RequestGroup
 from gateway.parsing import ToolCall, arguments_object
 from gateway.plan import (
     ChatInput,
@@ -56,12 +56,6 @@ from gateway.plan import (
 )
 from gateway.responses import SSE, MsgspecResponse, sse_event
 from gateway.serving import Choice, Serving
-
-# Anthropic's streams send a ping now and then: through a long prefill or
-# hidden (omitted) thinking, clients that give up on a silent stream (Claude
-# Code, after minutes) see it live.
-PING_EVERY_S = 15.0
-
 
 # Thinking blocks come back signed, their signature carrying the reasoning: a
 # client shown none of it (`display: "omitted"`, as Claude Code asks) sends the
@@ -186,7 +180,6 @@ def messages_plan(body: MessagesRequest) -> Plan:
         json_output=output_format is not None,
         json_schema=output_format.schema if output_format is not None else None,
         keep_alive_s=keep_alive_seconds(body.keep_alive),
-        stream_keepalive_s=PING_EVERY_S,
     )
 
 
@@ -259,9 +252,10 @@ class MessageOutput:
         return [event("message_start", {"type": "message_start", "message": msgspec.to_builtins(start)}),
                 event("ping", {"type": "ping"})]
 
+    def keepalive(self) -> list[bytes]:
+        return [event("ping", {"type": "ping"})]
+
     def delta(self, delta: Delta) -> list[bytes]:
-        if delta is KEEPALIVE:
-            return [event("ping", {"type": "ping"})]
         blocks = self._blocks
         out = []
         if delta.reasoning and self._thinking is not None:

@@ -218,6 +218,9 @@ class _Output(abc.ABC):
             return []
         return [line(self.piece(delta.text, delta.reasoning, calls_of(delta.tool_calls), False))]
 
+    def keepalive(self) -> list[bytes]:
+        return []  # Ollama's lines are all chunks of the answer, and Ollama sends none between them
+
     def ending(self, group: RequestGroup, error: APIError | None) -> list[bytes]:
         if error is not None:
             return [line({"error": error.message})]

@@ -68,6 +68,7 @@ from gateway.responses import SSE, MsgspecResponse, sse_event
 from gateway.serving import Choice, Serving
 
 DONE = b"data: [DONE]\n\n"
+KEEPALIVE_COMMENT = b": keepalive\n\n"
 
 
 def sampling_params(body: GenerationRequest, logprobs: int | None) -> SamplingParams:
@@ -221,6 +222,11 @@ class _Output(abc.ABC):
         if delta.finish_reason is not None:
             out.append(sse_event(self.chunk(delta.index, None, delta.finish_reason, [])))
         return out
+
+    def keepalive(self) -> list[bytes]:
+        # A comment: every SSE reader skips it, and proxies see the connection busy. (Chunks have
+        # no type to mark one as nothing; an empty delta would be a new chunk to every client.)
+        return [KEEPALIVE_COMMENT]
 
     def content_chunks(self, delta: Delta) -> list[bytes]:
         if delta.text or delta.logprobs:

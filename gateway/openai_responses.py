@@ -428,6 +428,11 @@ class ResponseOutput:
         return [self._event("response.created", response=response),
                 self._event("response.in_progress", response=response)]
 
+    def keepalive(self) -> list[bytes]:
+        # An event, not an SSE comment: Codex's idle timer counts events only (a comment let it time
+        # out through a long prefill and resend the request). Clients read past in_progress events.
+        return [self._event("response.in_progress", response=msgspec.to_builtins(self._response("in_progress")))]
+
     def delta(self, delta: Delta) -> list[bytes]:
         out = []
         if delta.reasoning:

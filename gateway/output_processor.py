@@ -269,6 +269,9 @@ class RequestGroup:
         # Ends its work at once, whether its reader reads or not (a client that stops reading holds the
         # reader at a send): its server's, which aborts it in the worker and gives its lease back.
         self.stop: Callable[[], None] = lambda: None
+        # When its stream last wrote to the client (event-loop time): a Delta may write nothing (text a
+        # parser holds back, omitted reasoning), so the keep-alive timer asks the writer.
+        self.written_at = 0.0
 
     @property
     def prompt_tokens(self) -> int:
@@ -308,8 +311,9 @@ class RequestGroup:
         as one Delta: one event instead of many, less work per token just
         when the gateway is behind. Raises TimeoutError at `deadline`
         (event-loop time) if not finished. With `keepalive_s`, KEEPALIVE
-        comes every so many seconds too, for a stream to show its client
-        that it lives through a long prefill or hidden reasoning.
+        comes once the stream has written nothing that long (its writer sets
+        `written_at`), for it to show its client that it lives through a
+        long prefill, hidden reasoning or a tool call's arguments held back.
         """
         # One timer for the whole request rather than a timeout around every
         # wait: entering asyncio.timeout for each token was 6-8% of the
@@ -317,11 +321,16 @@ class RequestGroup:
         loop = asyncio.get_running_loop()
         timer = loop.call_at(deadline, self._time_out) if deadline is not None else None
         pinger: asyncio.TimerHandle | None = None
+        self.written_at = loop.time()
 
+        # Not moved at every write (a timer handle per token): it looks at written_at when it fires.
         def keep_alive(every_s: float) -> None:
             nonlocal pinger
-            self.queue.put_nowait(KEEPALIVE)
-            pinger = loop.call_later(every_s, keep_alive, every_s)
+            quiet_s = loop.time() - self.written_at
+            if quiet_s >= every_s:
+                self.queue.put_nowait(KEEPALIVE)
+                quiet_s = 0.0
+            pinger = loop.call_later(every_s - quiet_s, keep_alive, every_s)
 
         if keepalive_s is not None:
             pinger = loop.call_later(keepalive_s, keep_alive, keepalive_s)
@@ -333,7 +342,8 @@ class RequestGroup:
                 if delta is _TIMED_OUT:
                     raise TimeoutError
                 if delta is KEEPALIVE:
-                    yield delta
+                    if keepalive_s is not None and loop.time() - self.written_at >= keepalive_s:
+                        yield delta  # else one more that piled up while the writer was held at a send
                     continue
                 while _plain(delta) and not self.queue.empty():
                     waiting = self.queue.get_nowait()

@@ -113,7 +113,6 @@ class Plan:
     json_schema_strict: bool = False  # a keyword the grammar cannot enforce is a 400 (else it goes unenforced)
     messages_param: str = "messages"  # the body's name for the conversation, for errors
     keep_alive_s: float | None = None  # how long the model stays loaded once idle (None: --keep-alive)
-    stream_keepalive_s: float | None = None  # a stream's KEEPALIVE every so often (None: none)
 
     @property
     def prompt_param(self) -> str:

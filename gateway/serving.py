@@ -32,7 +32,7 @@ from gateway.errors import CANCELLED, APIError, openai_error_type
 from gateway.images import ImageLoader
 from gateway.metrics import Metrics
 from gateway.model_facts import ModelFacts, model_facts
-from gateway.output_processor import Delta, RequestGroup, RequestState, TokenInfo
+from gateway.output_processor import KEEPALIVE, Delta, RequestGroup, RequestState, TokenInfo
 from gateway.parsing import ToolCall, opens_reasoning, stream_parsers
 from gateway.plan import ChatInput, DocumentStart, Plan
 from gateway.pool import RETRY_AFTER_S, Lease, ModelPool, Unavailable
@@ -108,6 +108,11 @@ class Renderer(Protocol):
 
     def delta(self, delta: Delta) -> list[bytes]:
         """The events for one Delta (the first of each choice has no text: it opens the choice)."""
+        ...
+
+    def keepalive(self) -> list[bytes]:
+        """What a stream sends after --stream-keepalive-s with nothing to send: something its
+        clients read past, that still counts as traffic for their idle timers."""
         ...
 
     def ending(self, group: RequestGroup, error: APIError | None) -> list[bytes]:
@@ -373,7 +378,8 @@ class Serving:
                 raise unavailable(str(e)) from None
             for state in group.states:
                 yield Delta("", state.index)
-            async for delta in group.deltas(deadline, plan.stream_keepalive_s if plan.stream else None):
+            keepalive_s = self.settings.stream_keepalive_s if plan.stream else 0
+            async for delta in group.deltas(deadline, keepalive_s or None):
                 if delta.text or delta.reasoning or delta.tool_calls:
                     now = time.monotonic()
                     if delta.index in last:
@@ -396,18 +402,24 @@ class Serving:
         """The SSE body: a Delta's events go out as one write (one chunk, one send)."""
         texts: list[list[str]] | None = [[] for _ in group.states] if self.settings.log_prompts else None
         error: APIError | None = None
+        loop = asyncio.get_running_loop()
         try:
             if events := renderer.opening(group) + renderer.delta(opening):
                 yield b"".join(events)
             try:
                 async for delta in deltas:
-                    if delta.error is not None:
+                    if delta is KEEPALIVE:
+                        events = renderer.keepalive()
+                    elif delta.error is not None:
                         error = delta_error(delta)
                         break
-                    if texts is not None:
-                        texts[delta.index].append(delta.text)
-                    if events := renderer.delta(delta):
+                    else:
+                        if texts is not None:
+                            texts[delta.index].append(delta.text)
+                        events = renderer.delta(delta)
+                    if events:
                         yield b"".join(events)
+                        group.written_at = loop.time()
             except TimeoutError:
                 error = self.timed_out()
             yield b"".join(renderer.ending(group, error))

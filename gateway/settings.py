@@ -72,6 +72,12 @@ class GatewaySettings(LogSettings, kw_only=True):
     request_timeout_s: Annotated[
         float, Meta(ge=0, description="longest a generation may run before it is aborted; 0: no limit")
     ] = 600.0
+    stream_keepalive_s: Annotated[
+        float, Meta(ge=0, description="a stream with nothing to send for this long sends a keep-alive (Anthropic's "
+                                      "ping, Responses' response.in_progress, an SSE comment on the other OpenAI "
+                                      "streams), so that clients and proxies with an idle timeout wait through a "
+                                      "long prefill; 0: none")
+    ] = 15.0
     max_tokens_limit: Annotated[
         int | None, Meta(description="largest max_tokens a request may ask for (400 beyond)")
     ] = None

@@ -70,8 +70,11 @@ AGENTS = [
 ]
 
 
-@pytest.mark.parametrize("agent", AGENTS, ids=[a.name for a in AGENTS])
-def test_the_agent_runs_its_shell_tool_and_answers(agent, tmp_path):
+def run_agent(agent: Agent, tmp_path: Path, serve_args: tuple[str, ...] = (), codex_settings: str = "",
+              project_notes: str = "") -> tuple[subprocess.CompletedProcess, str, Path]:
+    """The agent run once on PROMPT against `mlxd serve` (with serve_args); its
+    run, the server's /metrics after it, and its working directory.
+    codex_settings: more lines of Codex's config; project_notes: an AGENTS.md."""
     assert (BIN / "claude").exists(), "the coding agents are not installed: run `make agents`"
     call = json.dumps({"name": agent.tool, "arguments": agent.arguments})
     model = make_scripted_model(tmp_path / "model", ["<tool_call>", call, "</tool_call>"],
@@ -79,18 +82,49 @@ def test_the_agent_runs_its_shell_tool_and_answers(agent, tmp_path):
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir()
     work.mkdir()
+    if project_notes:
+        (work / "AGENTS.md").write_text(project_notes)
     # Clients send their own model names (claude-…, gpt-…): the alias serves them.
     args = ["serve", "--model", str(model), "--served-model-name", "scripted", "--model-alias", "*=scripted",
-            "--api-key", KEY]
+            "--api-key", KEY, *serve_args]
     with running(args, tmp_path / "serve.log") as server:
         command, env = agent.configure(home, work, server.url)
+        if codex_settings:
+            config = home / ".codex" / "config.toml"
+            config.write_text(config.read_text() + codex_settings)
         run = subprocess.run(command, cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True,
                              text=True, timeout=240)
         served = server.http.get("/metrics", headers={"authorization": f"Bearer {KEY}"}).text
+    return run, served, work
+
+
+def requests_answered(served: str, endpoint: str) -> int:
+    answered = f'mlxd_requests_total{{endpoint="{endpoint}",status="200"}} '
+    return sum(int(line.split()[-1]) for line in served.splitlines() if line.startswith(answered))
+
+
+@pytest.mark.parametrize("agent", AGENTS, ids=[a.name for a in AGENTS])
+def test_the_agent_runs_its_shell_tool_and_answers(agent, tmp_path):
+    run, served, work = run_agent(agent, tmp_path)
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-3000:]
     assert (work / SIDE_EFFECT).exists(), f"the tool call did not run:\n{output[-3000:]}"
     assert ANSWER in run.stdout, f"no answer after the tool result:\n{output[-3000:]}"
     # Both turns went through the client's own dialect.
-    answered = f'mlxd_requests_total{{endpoint="{agent.endpoint}",status="200"}} '
-    assert any(line.startswith(answered) and int(line.split()[-1]) >= 2 for line in served.splitlines()), served
+    assert requests_answered(served, agent.endpoint) >= 2, served
+
+
+def test_codex_waits_through_a_long_prefill(tmp_path):
+    """Codex gives up on a stream with no event for stream_idle_timeout_ms (5
+    minutes unless set; a long context's prefill on a Mac can take longer).
+    Here the timeout is a second, and project notes make the first turn's
+    prompt about 24,000 tokens, more than a second's prefill on this CPU: the
+    keep-alive events carry it through, with no retry."""
+    notes = ("Keep every answer short and plain. " * 1000)[: 30 << 10]  # Codex reads up to 32 KiB of AGENTS.md
+    run, served, work = run_agent(AGENTS[1], tmp_path, serve_args=("--stream-keepalive-s", "0.2"),
+                                  codex_settings="stream_idle_timeout_ms = 1000\nstream_max_retries = 0\n",
+                                  project_notes=notes)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0 and ANSWER in run.stdout, output[-3000:]
+    assert (work / SIDE_EFFECT).exists()
+    assert requests_answered(served, "/v1/responses") == 2, served  # the two turns, none sent again

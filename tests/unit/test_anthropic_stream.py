@@ -3,7 +3,7 @@
 import json
 
 from gateway.anthropic_api import MessageOutput, signature_of
-from gateway.output_processor import KEEPALIVE, Delta
+from gateway.output_processor import Delta
 from gateway.parsing import ToolCall
 
 
@@ -44,7 +44,7 @@ def test_tool_arguments_that_are_not_an_object_stream_as_an_empty_one():
 def test_a_keepalive_is_a_ping_wherever_it_comes():
     out = MessageOutput("tiny", 100)
     first = out.delta(Delta("Hello"))
-    ping = out.delta(KEEPALIVE)
+    ping = out.keepalive()
     assert ping == [b'event: ping\ndata: {"type":"ping"}\n\n'] and out.delta(Delta(" there"))[0].startswith(
         b"event: content_block_delta")
     assert first[0].startswith(b"event: content_block_start")

@@ -230,3 +230,25 @@ def test_keepalives_come_through_a_silence_and_stop_with_the_group(tokenizer):
     *silence, answer, end = deltas
     assert len(silence) >= 2 and all(d is KEEPALIVE for d in silence)  # about four: the loop may run late
     assert (answer.text, end.finish_reason) == ("hi", "stop") and KEEPALIVE.text == ""
+
+
+def test_keepalives_come_only_when_the_writer_has_written_nothing_for_that_long(tokenizer):
+    """Text written every 50 ms: no keep-alive at 100 ms. Then Deltas that write
+    nothing (text a parser holds back): keep-alives come between them."""
+
+    async def read_and_write(writes: bool) -> list[Delta]:
+        group, loop = group_of(tokenizer, 1), asyncio.get_running_loop()
+        for i in range(10):
+            loop.call_later(0.05 * (i + 1), group.queue.put_nowait, Delta("x", 0))
+        loop.call_later(0.55, group.queue.put_nowait, Delta("", 0, finish_reason="stop"))
+        out = []
+        async for delta in group.deltas(None, keepalive_s=0.1):
+            out.append(delta)
+            if writes:
+                group.written_at = loop.time()
+        return out
+
+    flowing = asyncio.run(read_and_write(writes=True))
+    assert not any(d is KEEPALIVE for d in flowing) and len(flowing) == 11
+    held = asyncio.run(read_and_write(writes=False))
+    assert sum(d is KEEPALIVE for d in held) >= 3  # about five: the loop may run late
