@@ -40,8 +40,11 @@ class Agent:
     arguments: dict
     endpoint: str  # what the client speaks
 
-    def configure(self, home: Path, work: Path, base_url: str) -> tuple[list[str], dict]:
-        """Write the client's configuration; return its command line and environment."""
+    def configure(self, home: Path, work: Path, base_url: str,
+                  idle_timeout_ms: int | None = None) -> tuple[list[str], dict]:
+        """Write the client's configuration; return its command line and environment.
+        idle_timeout_ms: how long Codex or OpenCode waits for the next event of a
+        stream before it gives up on it (Codex then fails: no retry here)."""
         env = {"PATH": os.environ["PATH"], "HOME": str(home), "LANG": "C.UTF-8"}
         if self.name == "claude-code":
             env |= {"ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_AUTH_TOKEN": KEY,
@@ -52,13 +55,14 @@ class Agent:
             (home / ".codex").mkdir()
             (home / ".codex" / "config.toml").write_text(
                 'model = "gpt-5-codex"\nmodel_provider = "mlxd"\n\n[model_providers.mlxd]\nname = "mlxd"\n'
-                f'base_url = "{base_url}/v1"\nenv_key = "MLXD_KEY"\nwire_api = "responses"\n')
+                f'base_url = "{base_url}/v1"\nenv_key = "MLXD_KEY"\nwire_api = "responses"\n'
+                + (f"stream_idle_timeout_ms = {idle_timeout_ms}\nstream_max_retries = 0\n" if idle_timeout_ms else ""))
             env |= {"MLXD_KEY": KEY}
             return [str(BIN / "codex"), "exec", "--skip-git-repo-check",
                     "--dangerously-bypass-approvals-and-sandbox", PROMPT], env
+        options = {"baseURL": f"{base_url}/v1", "apiKey": KEY} | ({"chunkTimeout": idle_timeout_ms} if idle_timeout_ms else {})
         (work / "opencode.json").write_text(json.dumps({"provider": {"mlxd": {
-            "npm": "@ai-sdk/openai-compatible", "models": {"scripted": {}},
-            "options": {"baseURL": f"{base_url}/v1", "apiKey": KEY}}}}))
+            "npm": "@ai-sdk/openai-compatible", "models": {"scripted": {}}, "options": options}}}))
         return [str(BIN / "opencode"), "run", "-m", "mlxd/scripted", PROMPT], env
 
 
@@ -70,11 +74,11 @@ AGENTS = [
 ]
 
 
-def run_agent(agent: Agent, tmp_path: Path, serve_args: tuple[str, ...] = (), codex_settings: str = "",
+def run_agent(agent: Agent, tmp_path: Path, serve_args: tuple[str, ...] = (), idle_timeout_ms: int | None = None,
               project_notes: str = "") -> tuple[subprocess.CompletedProcess, str, Path]:
     """The agent run once on PROMPT against `mlxd serve` (with serve_args); its
     run, the server's /metrics after it, and its working directory.
-    codex_settings: more lines of Codex's config; project_notes: an AGENTS.md."""
+    idle_timeout_ms: see Agent.configure; project_notes: an AGENTS.md."""
     assert (BIN / "claude").exists(), "the coding agents are not installed: run `make agents`"
     call = json.dumps({"name": agent.tool, "arguments": agent.arguments})
     model = make_scripted_model(tmp_path / "model", ["<tool_call>", call, "</tool_call>"],
@@ -88,10 +92,7 @@ def run_agent(agent: Agent, tmp_path: Path, serve_args: tuple[str, ...] = (), co
     args = ["serve", "--model", str(model), "--served-model-name", "scripted", "--model-alias", "*=scripted",
             "--api-key", KEY, *serve_args]
     with running(args, tmp_path / "serve.log") as server:
-        command, env = agent.configure(home, work, server.url)
-        if codex_settings:
-            config = home / ".codex" / "config.toml"
-            config.write_text(config.read_text() + codex_settings)
+        command, env = agent.configure(home, work, server.url, idle_timeout_ms)
         run = subprocess.run(command, cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True,
                              text=True, timeout=240)
         served = server.http.get("/metrics", headers={"authorization": f"Bearer {KEY}"}).text
@@ -114,17 +115,18 @@ def test_the_agent_runs_its_shell_tool_and_answers(agent, tmp_path):
     assert requests_answered(served, agent.endpoint) >= 2, served
 
 
-def test_codex_waits_through_a_long_prefill(tmp_path):
-    """Codex gives up on a stream with no event for stream_idle_timeout_ms (5
-    minutes unless set; a long context's prefill on a Mac can take longer).
-    Here the timeout is a second, and project notes make the first turn's
-    prompt about 24,000 tokens, more than a second's prefill on this CPU: the
-    keep-alive events carry it through, with no retry."""
+@pytest.mark.parametrize("agent, requests", [(AGENTS[1], 2), (AGENTS[2], 3)], ids=["codex", "opencode"])
+def test_the_agent_waits_through_a_long_prefill(agent, requests, tmp_path):
+    """Codex and OpenCode give up on a stream with no event for a while (5
+    minutes unless set; a long context's prefill on a Mac can take longer) and
+    send the request again. Here they wait a second, and project notes make the
+    first turn's prompt about 24,000 tokens, more than a second's prefill on
+    this CPU: mlxd's keep-alives carry it through, and no request is sent twice
+    (OpenCode's third is its title for the session)."""
     notes = ("Keep every answer short and plain. " * 1000)[: 30 << 10]  # Codex reads up to 32 KiB of AGENTS.md
-    run, served, work = run_agent(AGENTS[1], tmp_path, serve_args=("--stream-keepalive-s", "0.2"),
-                                  codex_settings="stream_idle_timeout_ms = 1000\nstream_max_retries = 0\n",
+    run, served, work = run_agent(agent, tmp_path, serve_args=("--stream-keepalive-s", "0.2"), idle_timeout_ms=1000,
                                   project_notes=notes)
     output = run.stdout + run.stderr
     assert run.returncode == 0 and ANSWER in run.stdout, output[-3000:]
     assert (work / SIDE_EFFECT).exists()
-    assert requests_answered(served, "/v1/responses") == 2, served  # the two turns, none sent again
+    assert requests_answered(served, agent.endpoint) == requests, served
