@@ -6,7 +6,13 @@
                 or its tcp connection dropped (until it beats again)
   hung          heartbeats arrive but the step counter has not moved for
                 --hung-worker-s while requests are running or waiting to be
-                prefilled (a prefill runs a chunk a step: it moves too)
+                prefilled (a prefill runs a chunk a step: it moves too), and
+                the worker has not kept half a core busy meanwhile: one step
+                can take minutes on MLX's CPU backend (a long prompt's chunk).
+                Busy with a still counter, it is hung after ten times as long
+                (a loop that never ends). A group (mx.distributed) is judged
+                by its counter alone: its rank 0 spins while it waits for a
+                stuck rank.
 
 An unresponsive or hung worker that recovers is ready again. One that stays
 unresponsive or hung for a further --hung-worker-s is given up on.
@@ -20,6 +26,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+# A worker using this share of a core between two heartbeats is working, whatever its counter says.
+BUSY_CORES = 0.5
+# How much longer than --hung-worker-s a busy worker's counter may stand still.
+BUSY_STALL_FACTOR = 10.0
 
 
 class Liveness(enum.Enum):
@@ -54,23 +65,29 @@ class Vitals:
     worker_timeout_s: float
     hung_worker_s: float
     last_beat: float
-    last_progress: float  # when the step counter last moved (or the worker was idle)
+    last_progress: float  # when the step counter last moved, the worker was idle, or it was busy
+    last_step: float  # when the step counter last moved (or the worker was idle)
     steps: int = 0
     running: int = 0
     waiting: int = 0
+    cpu_s: float = 0.0  # its CPU time at the last beat
     draining: bool = False
     disconnected: bool = False
     state: Liveness = Liveness.READY
     _bad_since: float | None = None
     _reported: bool = False
 
-    def beat(self, now: float, steps: int, running: int, waiting: int = 0) -> None:
-        """A heartbeat with the worker's step counter, its running requests and those waiting to be prefilled."""
+    def beat(self, now: float, steps: int, running: int, waiting: int = 0, cpu_s: float | None = None) -> None:
+        """A heartbeat with the worker's step counter, its running requests and
+        those waiting to be prefilled, and its process's CPU time (None: not to be judged by)."""
+        busy = cpu_s is not None and cpu_s - self.cpu_s >= BUSY_CORES * (now - self.last_beat)
         self.last_beat = now
         self.disconnected = False
         if steps != self.steps or running + waiting == 0:
+            self.last_step = self.last_progress = now
+        elif busy:
             self.last_progress = now
-        self.steps, self.running, self.waiting = steps, running, waiting
+        self.steps, self.running, self.waiting, self.cpu_s = steps, running, waiting, cpu_s or 0.0
 
     def assess(self, now: float) -> Verdict:
         silent = self.disconnected or now - self.last_beat > self.worker_timeout_s
@@ -78,7 +95,9 @@ class Vitals:
             state = Liveness.DRAINING
         elif silent:  # draining or not: one that died mid-drain (over tcp no exit is seen) is given up on too
             state = Liveness.UNRESPONSIVE
-        elif self.running + self.waiting > 0 and now - self.last_progress > self.hung_worker_s:
+        elif self.running + self.waiting > 0 and (
+                now - self.last_progress > self.hung_worker_s
+                or now - self.last_step > BUSY_STALL_FACTOR * self.hung_worker_s):
             state = Liveness.HUNG
         else:
             state = Liveness.READY

@@ -35,8 +35,9 @@ class GatewaySettings(LogSettings, kw_only=True):
         float,
         Meta(
             gt=0,
-            description="a worker whose step counter stalls this long while requests run (or that stays "
-            "unresponsive this long) is hung; `mlxd serve` then kills and restarts it",
+            description="a worker whose step counter stalls this long while requests run, using less than half "
+            "a core meanwhile (ten times as long if it uses more: a long step on MLX's CPU backend), or that "
+            "stays unresponsive this long, is hung; `mlxd serve` then kills and restarts it",
         ),
     ] = 60.0
     drain_s: Annotated[

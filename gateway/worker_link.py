@@ -458,7 +458,8 @@ class WorkerLink:
         try:
             state = WorkerState(
                 identity, hello, names, tokenizer, accepted_at=now,
-                vitals=Vitals(self.worker_timeout_s, self.hung_worker_s, last_beat=now, last_progress=now),
+                vitals=Vitals(self.worker_timeout_s, self.hung_worker_s, last_beat=now, last_progress=now,
+                          last_step=now),
                 sampling=sampling_defaults(hello.tokenizer_files), tool_format=load_tool_format(hello.tool_parser),
                 reasoning_markers=(hello.reasoning_markers[0], hello.reasoning_markers[1])
                 if len(hello.reasoning_markers) == 2 else tokenizer.reasoning_markers)
@@ -517,7 +518,7 @@ class WorkerLink:
         # Requests sent to it count as work even before it has read them: a worker whose
         # main thread is stuck while idle (a distributed group's rank frozen) never reads them.
         sent = sum(1 for s in self.outputs if s.worker == w.identity)
-        w.vitals.beat(time.monotonic(), beat.step, beat.running, beat.waiting + sent)
+        w.vitals.beat(time.monotonic(), beat.step, beat.running, beat.waiting + sent, beat.cpu_s)
         w.waiting, w.affinity, w.prefix_cache, w.memory = beat.waiting, beat.affinity, beat.prefix_cache, beat.memory
         self._assess(w)
 

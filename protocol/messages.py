@@ -241,6 +241,10 @@ class Heartbeat(_Message, tag="heartbeat"):
     affinity: AffinityReport | None = None
     prefix_cache: PrefixCacheStats | None = None
     memory: MemoryStats | None = None
+    # The process's CPU time, all threads: a step that runs long on MLX's CPU backend keeps it
+    # rising, a stuck one (or one waiting on a GPU that never answers) does not. None from a
+    # group: its rank 0 spins in a collective while it waits for a stuck rank.
+    cpu_s: float | None = None
 
 
 class Draining(_Message, tag="draining"):

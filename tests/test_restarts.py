@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, stop_process, wait_for
+from tests.tiny_model import make_tiny_model
 
 PROMPT = "Once upon a time"
 LONG = 900  # tokens: a few seconds of decoding, so that there is a middle to interrupt
@@ -376,6 +377,28 @@ def test_hung_worker_is_detected_killed_and_replaced(tiny_model, tmp_path, expec
         assert reader.text == expected
         assert server.health()["supervisor"]["last_exit_status"] == -signal.SIGKILL
         assert "is hung" in server.log_path.read_text()
+    finally:
+        server.stop()
+
+
+def test_a_long_step_that_keeps_the_cpu_busy_is_not_hung(tmp_path):
+    """One prompt chunk of 8,000 tokens: seconds on MLX's CPU backend, with the
+    step counter still all along. The worker's CPU time climbs meanwhile, so it
+    is not taken for hung (it was killed at every try, its request with it)."""
+    model = make_tiny_model(tmp_path / "long", context=8192)
+    server = Server(["serve", "--model", str(model), "--served-model-name", MODEL_NAME, "--heartbeat-s", "0.05",
+                     "--hung-worker-s", "1", "--prefill-chunk", "8192"], tmp_path / "serve.log")
+    try:
+        server.wait_ready()
+        pid = server.health()["worker"]["pid"]
+        started = time.monotonic()
+        r = httpx.post(server.url + "/v1/completions", timeout=120,
+                       json={"model": MODEL_NAME, "prompt": [5] * 8000, "max_tokens": 4, "ignore_eos": True})
+        print(f"\n8,000-token prompt in one chunk: answered in {time.monotonic() - started:.1f} s")
+        assert r.status_code == 200
+        assert (r.json()["usage"]["prompt_tokens"], r.json()["usage"]["completion_tokens"]) == (8000, 4)
+        assert server.health()["worker"]["pid"] == pid
+        assert "hung" not in server.log_path.read_text()
     finally:
         server.stop()
 

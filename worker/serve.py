@@ -362,6 +362,7 @@ class Worker(EngineRunner):
             affinity=self.audit.report() if self.audit else None,
             prefix_cache=self.engine.cache_stats(),
             memory=self.memory,
+            cpu_s=time.process_time() if self.channel is None else None,
         )
 
     def drain(self, drain_s: float) -> None:

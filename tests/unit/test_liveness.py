@@ -4,7 +4,7 @@ TIMEOUT, HUNG = 5.0, 60.0
 
 
 def vitals(now: float = 0.0) -> Vitals:
-    return Vitals(worker_timeout_s=TIMEOUT, hung_worker_s=HUNG, last_beat=now, last_progress=now)
+    return Vitals(worker_timeout_s=TIMEOUT, hung_worker_s=HUNG, last_beat=now, last_progress=now, last_step=now)
 
 
 def test_beating_and_stepping_is_ready():
@@ -41,6 +41,25 @@ def test_a_still_counter_with_requests_running_is_hung_and_killed_once():
     assert verdict.state == Liveness.HUNG and verdict.changed and verdict.kill and not verdict.give_up
     v.beat(63.0, steps=5, running=2)
     assert not v.assess(63.0).kill  # reported once
+
+
+def test_a_still_counter_while_the_worker_keeps_a_core_busy_is_a_long_step():
+    """A prompt's chunk taking minutes on MLX's CPU backend: the counter stands
+    still, the CPU time climbs. Hung only past ten times --hung-worker-s."""
+    v = vitals()
+    for t in range(1, int(10 * HUNG) + 1):
+        v.beat(float(t), steps=5, running=2, cpu_s=0.9 * t)
+        assert v.assess(float(t)).state == Liveness.READY
+    v.beat(10 * HUNG + 2, steps=5, running=2, cpu_s=0.9 * (10 * HUNG + 2))  # the counter last moved at 1
+    assert v.assess(10 * HUNG + 2).state == Liveness.HUNG
+
+
+def test_a_still_counter_with_a_trickle_of_cpu_is_hung():
+    """Stuck (a lock, a GPU that never answers): its threads use next to nothing."""
+    v = vitals()
+    for t in range(1, 63):
+        v.beat(float(t), steps=5, running=2, cpu_s=0.01 * t)
+    assert v.assess(62.0).state == Liveness.HUNG
 
 
 def test_a_still_counter_with_requests_waiting_to_prefill_is_hung_too():
