@@ -7,7 +7,8 @@
   hung          heartbeats arrive but the step counter has not moved for
                 --hung-worker-s while requests are running or waiting to be
                 prefilled (a prefill runs a chunk a step: it moves too), and
-                the worker has not kept half a core busy meanwhile: one step
+                the worker has not kept half a core busy meanwhile (on
+                average, from its CPU time in the heartbeats): one step
                 can take minutes on MLX's CPU backend (a long prompt's chunk).
                 Busy with a still counter, it is hung after ten times as long
                 (a loop that never ends). A group (mx.distributed) is judged
@@ -65,29 +66,38 @@ class Vitals:
     worker_timeout_s: float
     hung_worker_s: float
     last_beat: float
-    last_progress: float  # when the step counter last moved, the worker was idle, or it was busy
-    last_step: float  # when the step counter last moved (or the worker was idle)
+    last_progress: float  # when the step counter last moved (or the worker was idle)
     steps: int = 0
     running: int = 0
     waiting: int = 0
-    cpu_s: float = 0.0  # its CPU time at the last beat
+    cpu_s: float | None = None  # its CPU time at the last beat (None: not reported)
     draining: bool = False
     disconnected: bool = False
     state: Liveness = Liveness.READY
     _bad_since: float | None = None
     _reported: bool = False
+    _cpu_at_progress: float | None = None  # its CPU time when the counter last moved (or first reported since)
 
     def beat(self, now: float, steps: int, running: int, waiting: int = 0, cpu_s: float | None = None) -> None:
         """A heartbeat with the worker's step counter, its running requests and
         those waiting to be prefilled, and its process's CPU time (None: not to be judged by)."""
-        busy = cpu_s is not None and cpu_s - self.cpu_s >= BUSY_CORES * (now - self.last_beat)
         self.last_beat = now
         self.disconnected = False
-        if steps != self.steps or running + waiting == 0:
-            self.last_step = self.last_progress = now
-        elif busy:
+        moved = steps != self.steps or running + waiting == 0
+        if moved:
             self.last_progress = now
-        self.steps, self.running, self.waiting, self.cpu_s = steps, running, waiting, cpu_s or 0.0
+        if moved or self._cpu_at_progress is None:
+            self._cpu_at_progress = cpu_s
+        self.steps, self.running, self.waiting, self.cpu_s = steps, running, waiting, cpu_s
+
+    def busy(self) -> bool:
+        """Whether it kept BUSY_CORES busy on average since its counter last moved, as of its
+        last beat: an average over the whole stall, which beats bunched up by a late event loop
+        or one burst of CPU (a writer thread's) cannot fake."""
+        if self.cpu_s is None or self._cpu_at_progress is None:
+            return False
+        window_s = self.last_beat - self.last_progress
+        return window_s > 0 and self.cpu_s - self._cpu_at_progress >= BUSY_CORES * window_s
 
     def assess(self, now: float) -> Verdict:
         silent = self.disconnected or now - self.last_beat > self.worker_timeout_s
@@ -95,9 +105,8 @@ class Vitals:
             state = Liveness.DRAINING
         elif silent:  # draining or not: one that died mid-drain (over tcp no exit is seen) is given up on too
             state = Liveness.UNRESPONSIVE
-        elif self.running + self.waiting > 0 and (
-                now - self.last_progress > self.hung_worker_s
-                or now - self.last_step > BUSY_STALL_FACTOR * self.hung_worker_s):
+        elif self.running + self.waiting > 0 and now - self.last_progress > self.hung_worker_s and (
+                not self.busy() or now - self.last_progress > BUSY_STALL_FACTOR * self.hung_worker_s):
             state = Liveness.HUNG
         else:
             state = Liveness.READY

@@ -458,8 +458,7 @@ class WorkerLink:
         try:
             state = WorkerState(
                 identity, hello, names, tokenizer, accepted_at=now,
-                vitals=Vitals(self.worker_timeout_s, self.hung_worker_s, last_beat=now, last_progress=now,
-                          last_step=now),
+                vitals=Vitals(self.worker_timeout_s, self.hung_worker_s, last_beat=now, last_progress=now),
                 sampling=sampling_defaults(hello.tokenizer_files), tool_format=load_tool_format(hello.tool_parser),
                 reasoning_markers=(hello.reasoning_markers[0], hello.reasoning_markers[1])
                 if len(hello.reasoning_markers) == 2 else tokenizer.reasoning_markers)
@@ -536,7 +535,8 @@ class WorkerLink:
         if w.ready and not was_ready:
             self._resume_waiting()
         if verdict.kill and verdict.state == Liveness.HUNG:
-            log.error("worker pid %d is hung: no step for %gs with requests running", w.hello.pid, self.hung_worker_s)
+            log.error("worker pid %d is hung: no step for %.1fs with requests running%s", w.hello.pid,
+                      time.monotonic() - w.vitals.last_progress, " (and its CPU busy)" if w.vitals.busy() else "")
         if verdict.kill and self.on_unhealthy is not None:
             self.on_unhealthy(w.hello.pid)
         if verdict.give_up:

@@ -4,7 +4,7 @@ TIMEOUT, HUNG = 5.0, 60.0
 
 
 def vitals(now: float = 0.0) -> Vitals:
-    return Vitals(worker_timeout_s=TIMEOUT, hung_worker_s=HUNG, last_beat=now, last_progress=now, last_step=now)
+    return Vitals(worker_timeout_s=TIMEOUT, hung_worker_s=HUNG, last_beat=now, last_progress=now)
 
 
 def test_beating_and_stepping_is_ready():
@@ -60,6 +60,19 @@ def test_a_still_counter_with_a_trickle_of_cpu_is_hung():
     for t in range(1, 63):
         v.beat(float(t), steps=5, running=2, cpu_s=0.01 * t)
     assert v.assess(62.0).state == Liveness.HUNG
+
+
+def test_beats_bunched_up_or_a_burst_of_cpu_do_not_make_a_stuck_worker_busy():
+    """Two beats handled a microsecond apart after the event loop was late, and
+    one thread's 0.3 s of CPU in the stall: next to nothing on average."""
+    v = vitals()
+    cpu = 0.0
+    for t in range(1, 63):
+        cpu += 0.0003 + (0.3 if t == 30 else 0.0)
+        v.beat(float(t), steps=5, running=2, cpu_s=cpu)
+        if t % 20 == 0:
+            v.beat(t + 1e-6, steps=5, running=2, cpu_s=cpu)
+    assert not v.busy() and v.assess(62.0).state == Liveness.HUNG
 
 
 def test_a_still_counter_with_requests_waiting_to_prefill_is_hung_too():
