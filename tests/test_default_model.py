@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import openai
 import pytest
 
@@ -52,10 +54,12 @@ def test_the_readme_call_without_temperature_answers_sensibly(default_server):
     """No temperature: the model's recommended sampling (0.2, top_p 0.9), not
     the API's 1.0, at which this model says Paris about one time in four."""
     client = openai.OpenAI(base_url=default_server.url + "/v1", api_key="unused", max_retries=0)
-    answers = [
-        client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=QUESTION, max_tokens=32, seed=seed)
-        .choices[0].message.content
-        for seed in range(8)
-    ]
+
+    def answer(seed: int) -> str | None:
+        return client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=QUESTION, max_tokens=32,
+                                              seed=seed).choices[0].message.content
+
+    with ThreadPoolExecutor(8) as pool:  # decoded as one batch: a quarter of the time they take one by one
+        answers = list(pool.map(answer, range(8)))
     assert sum("Paris" in a for a in answers) >= 6, answers
     assert default_server.health()["worker"]["sampling_defaults"]["temperature"] == 0.2
