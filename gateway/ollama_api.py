@@ -45,7 +45,7 @@ from gateway.ollama_schema import (
 )
 from gateway.output_processor import Delta, RequestGroup
 from gateway.parsing import ToolCall as ParsedCall
-from gateway.parsing import arguments_object, detect_reasoning
+from gateway.parsing import arguments_object, detect_reasoning, reasons
 from gateway.plan import (
     ChatInput,
     Plan,
@@ -177,13 +177,16 @@ def chat_input(messages: list[Message], think: bool | str | None, param: str = "
 
 
 def plan(model: str, prompt: ChatInput | str, options: Options | None, fmt: str | dict | None,
-         tools: list[dict] | None, stream: bool, keep_alive: str | float | None, param: str) -> Plan:
+         tools: list[dict] | None, stream: bool, keep_alive: str | float | None, param: str,
+         think: bool | str | None) -> Plan:
     params, stops, max_tokens = sampling(options)
     json_output, schema = output_format(fmt)
     return Plan(model=model, prompt=prompt, sampling=params, stops=stops, stream=stream, max_tokens=max_tokens,
                 max_tokens_param="options.num_predict", tools=tool_definitions(tools or [], "auto"),
                 json_output=json_output, json_schema=schema, messages_param=param,
-                keep_alive_s=keep_alive_seconds(keep_alive))
+                keep_alive_s=keep_alive_seconds(keep_alive),
+                # Ollama refuses it for a model that does not think, and clients retry without it.
+                thinking_param="think" if think not in (None, False) else None)
 
 
 def calls_of(calls: list[ParsedCall]) -> list[ToolCall] | None:
@@ -282,7 +285,7 @@ class OllamaAPI:
         renderer = ChatOutput(body.model, request.scope["state"]["arrived"])
         return await self.serving.respond(request, plan(body.model, chat_input(body.messages, body.think),
                                                         body.options, body.format, body.tools, body.stream,
-                                                        body.keep_alive, "messages"), renderer)
+                                                        body.keep_alive, "messages", body.think), renderer)
 
     async def generate(self, request: Request) -> Response:
         body = decode_ollama(await self.serving.read_body(request), GenerateRequest)
@@ -305,7 +308,7 @@ class OllamaAPI:
             prompt = chat_input([*messages, Message("user", body.prompt, body.images)], body.think, "prompt")
         renderer = GenerateOutput(body.model, request.scope["state"]["arrived"])
         return await self.serving.respond(request, plan(body.model, prompt, body.options, body.format, None,
-                                                        body.stream, body.keep_alive, "prompt"), renderer)
+                                                        body.stream, body.keep_alive, "prompt", body.think), renderer)
 
     async def _load_or_unload(self, request: Request, model: str, keep_alive: str | float | None,
                               output: _Output) -> Response:
@@ -377,11 +380,11 @@ class OllamaAPI:
         worker = self.serving.link.worker_of(name)
         if worker is not None:
             template, tools = worker.tokenizer.chat_template, worker.tool_format is not None
-            thinking, vision = worker.reasoning_markers is not None, worker.hello.vision
+            thinking, vision = reasons(template, worker.reasoning_markers), worker.hello.vision
         else:  # not loaded: what its files say (apps ask before any load, to offer it for tools or images)
             facts = self.serving.model_facts(name)
             template, tools = facts.chat_template, False
-            thinking, vision = detect_reasoning(template, set()) is not None, facts.vision
+            thinking, vision = reasons(template, detect_reasoning(template, set())), facts.vision
         capabilities = ["completion"] + [c for c, has in (("tools", tools or "tools" in template),
                                                           ("thinking", thinking), ("vision", vision)) if has]
         family = entry.details.family

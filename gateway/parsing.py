@@ -264,6 +264,11 @@ def detect_reasoning(chat_template: str, vocabulary: set[str]) -> tuple[str, str
     return None
 
 
+def reasons(chat_template: str, markers: tuple[str, str] | None) -> bool:
+    """Whether the model writes reasoning: between markers, or in Harmony's analysis channel."""
+    return markers is not None or detect_tool_family(chat_template) == "harmony"
+
+
 class MessageParser:
     """One stream's reply read as reasoning, content and tool calls: the
     reasoning block split off first, then tool calls found in the rest."""

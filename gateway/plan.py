@@ -113,6 +113,8 @@ class Plan:
     json_schema_strict: bool = False  # a keyword the grammar cannot enforce is a 400 (else it goes unenforced)
     messages_param: str = "messages"  # the body's name for the conversation, for errors
     keep_alive_s: float | None = None  # how long the model stays loaded once idle (None: --keep-alive)
+    # The parameter that asked the model to think, where one that cannot is a 400 (Ollama's `think`).
+    thinking_param: str | None = None
 
     @property
     def prompt_param(self) -> str:

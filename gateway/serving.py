@@ -33,7 +33,7 @@ from gateway.images import ImageLoader
 from gateway.metrics import Metrics
 from gateway.model_facts import ModelFacts, model_facts
 from gateway.output_processor import KEEPALIVE, Delta, RequestGroup, RequestState, TokenInfo
-from gateway.parsing import ToolCall, opens_reasoning, stream_parsers
+from gateway.parsing import ToolCall, opens_reasoning, reasons, stream_parsers
 from gateway.plan import ChatInput, DocumentStart, Plan
 from gateway.pool import RETRY_AFTER_S, Lease, ModelPool, Unavailable
 from gateway.responses import EventStream, MsgspecResponse
@@ -323,6 +323,8 @@ class Serving:
                                      plan.max_tokens_param)
         family, call_format = worker.tokenizer.tool_family, forced_call_format(worker)
         markers = worker.reasoning_markers
+        if plan.thinking_param is not None and not reasons(worker.tokenizer.chat_template, markers):
+            raise APIError(400, f'"{plan.model}" does not support thinking', param=plan.thinking_param)
         # A chat's constrained answer comes after the model's reasoning block (Harmony's channels excepted).
         thinking = Thinking(*markers, opened=opens_reasoning(markers, prompt.text)) \
             if markers is not None and family != "harmony" and isinstance(plan.prompt, ChatInput) else None

@@ -252,6 +252,16 @@ def test_reasoning_goes_to_reasoning_content(scripted, model):
     assert (content, reasoning, finish) == ("Paris.", "The user wants the capital.\n", "stop")
 
 
+@pytest.mark.parametrize("model", ["reasoning", "reasoning-harmony"])
+def test_ollamas_think_reads_a_thinking_models_reasoning(scripted, model):
+    """A model that thinks (markers, or Harmony's analysis channel) says so in
+    /api/show and takes `think`; one that does not refuses it (test_ollama.py)."""
+    client = ollama.Client(host=scripted(model).url)
+    assert "thinking" in client.show("scripted").capabilities
+    reply = client.chat(model="scripted", messages=ASK, think=True, options={"temperature": 0})
+    assert (reply.message.thinking, reply.message.content) == ("The user wants the capital.\n", "Paris.")
+
+
 def test_chat_template_kwargs_pass_through(scripted):
     client = openai_client(scripted("reasoning"))
     response = client.chat.completions.create(model="scripted", messages=ASK, temperature=0,
