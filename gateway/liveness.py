@@ -28,7 +28,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-# A worker using this share of a core between two heartbeats is working, whatever its counter says.
+# A worker whose CPU time grew by this share of a core, on average since its counter last moved, is
+# working, whatever its counter says.
 BUSY_CORES = 0.5
 # How much longer than --hung-worker-s a busy worker's counter may stand still.
 BUSY_STALL_FACTOR = 10.0

@@ -302,6 +302,7 @@ class OllamaAPI:
         if body.raw:
             if body.images:
                 raise APIError(400, "images need the chat template: send them without raw", param="images")
+            thinking(body.think)  # checked all the same: no template takes it here
             prompt = body.prompt
         else:
             messages = [Message("system", body.system)] if body.system else []

@@ -207,6 +207,7 @@ def test_a_pinned_model_outlasts_a_clients_unload(tiny_model, tmp_path):
     ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "think": True}, 400,
      f'"{MODEL_NAME}" does not support thinking'),
     ("/api/generate", {"model": MODEL_NAME, "prompt": "x", "think": "high"}, 400, "does not support thinking"),
+    ("/api/generate", {"model": MODEL_NAME, "prompt": "x", "raw": True, "think": "very"}, 400, "think must be"),
     ("/api/chat", {"model": MODEL_NAME, "messages": "hello"}, 400, "messages"),
     ("/api/generate", {"model": MODEL_NAME, "prompt": "x", "context": [1, 2]}, 400, "context"),
     ("/api/generate", {"model": MODEL_NAME, "prompt": "x", "options": {"num_predict": 0}}, 400, "num_predict"),
