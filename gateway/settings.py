@@ -10,6 +10,10 @@ from msgspec import Meta
 from protocol.endpoints import default_worker_endpoint
 from protocol.log_file import LogSettings
 
+# Shorter keep-alives would cost CPU (a timer a stream) and bandwidth for nothing:
+# clients' idle timeouts are seconds to minutes.
+MIN_KEEPALIVE_S = 0.1
+
 
 class GatewaySettings(LogSettings, kw_only=True):
     host: Annotated[str, Meta(description="address to listen on")] = "127.0.0.1"
@@ -77,7 +81,7 @@ class GatewaySettings(LogSettings, kw_only=True):
         float, Meta(ge=0, description="a stream with nothing to send for this long sends a keep-alive (Anthropic's "
                                       "ping, Responses' response.in_progress, an SSE comment on the other OpenAI "
                                       "streams), so that clients and proxies with an idle timeout wait through a "
-                                      "long prefill; 0: none")
+                                      f"long prefill; 0: none, else at least {MIN_KEEPALIVE_S}")
     ] = 15.0
     max_tokens_limit: Annotated[
         int | None, Meta(description="largest max_tokens a request may ask for (400 beyond)")
@@ -116,6 +120,11 @@ class GatewaySettings(LogSettings, kw_only=True):
     curve_authorized_keys: Annotated[
         str | None, Meta(description="a directory of the public key files of the workers allowed to connect")
     ] = None
+
+    def __post_init__(self) -> None:
+        if 0 < self.stream_keepalive_s < MIN_KEEPALIVE_S:
+            raise ValueError(f"--stream-keepalive-s / MLXD_STREAM_KEEPALIVE_S: 0 (none) or at least "
+                             f"{MIN_KEEPALIVE_S}, not {self.stream_keepalive_s}")
 
 
 def check_model_names(settings: GatewaySettings, models: int) -> None:

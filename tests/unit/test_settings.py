@@ -28,6 +28,7 @@ def test_lists_take_repeats_and_commas():
     (["--port", "70000"], {}, "--port / MLXD_PORT"),
     ([], {"MLXD_PORT": "abc"}, "--port / MLXD_PORT"),
     (["--log-level", "verbose"], {}, "--log-level / MLXD_LOG_LEVEL"),
+    (["--stream-keepalive-s", "0.001"], {}, "--stream-keepalive-s / MLXD_STREAM_KEEPALIVE_S"),
 ])
 def test_a_bad_value_names_its_flag_and_variable(argv, environ, named):
     with pytest.raises(ValueError, match=f"^{named}: "):
