@@ -88,16 +88,16 @@ class Embedder:
         opened, self._open = (self._open if continues else None), None
         assert opened is not None or not continues, "a part continues an input no earlier part opened"
         cache = opened.cache if opened is not None else None if ends else make_prompt_cache(self.model)
-        hidden = self.transformer(mx.array([token_ids]), cache=cache)[0]
         mode = self.pooling.mode
-        if mode == "mean":
-            pooled = hidden.astype(mx.float32).sum(axis=0)
-            if opened is not None:
-                pooled = pooled + opened.pooled
-        elif mode == "first" and opened is not None:
+        if mode == "first" and opened is not None:
+            # The model is causal: what follows the first token cannot change its hidden state.
             pooled = opened.pooled
         else:
-            pooled = hidden[0 if mode == "first" else -1].astype(mx.float32)
+            hidden = self.transformer(mx.array([token_ids]), cache=cache)[0]
+            if mode == "mean":
+                pooled = hidden.astype(mx.float32).sum(axis=0) + (opened.pooled if opened is not None else 0)
+            else:
+                pooled = hidden[0 if mode == "first" else -1].astype(mx.float32)
         tokens = len(token_ids) + (opened.tokens if opened is not None else 0)
         if not ends:
             assert cache is not None

@@ -78,3 +78,17 @@ def test_an_input_read_in_parts_has_the_vector_of_one_read_whole(tiny, mode):
     hidden = tiny.model(mx.array([ids]))[0].astype(mx.float32)
     pooled = {"last": hidden[-1], "mean": hidden.mean(axis=0), "first": hidden[0]}[mode]
     np.testing.assert_allclose(expected, np.array(pooled / mx.linalg.norm(pooled)), rtol=0, atol=1e-6)
+
+
+def test_first_token_pooling_reads_only_the_part_that_holds_the_first_token(tiny):
+    embedder = Embedder(tiny, Pooling("first"))
+    ids = [(5 * i) % 380 + 3 for i in range(200)]
+    expected = embedder.read(ids)
+    calls = []
+    transformer = embedder.transformer
+    embedder.transformer = lambda *args, **kwargs: calls.append(args) or transformer(*args, **kwargs)
+    embedder.read(ids[:50], ends=False)
+    embedder.read(ids[50:120], continues=True, ends=False)
+    vector = embedder.read(ids[120:], continues=True)
+    assert len(calls) == 1  # a causal model's first hidden state never sees the later parts
+    np.testing.assert_allclose(vector, expected, rtol=0, atol=1e-5)
