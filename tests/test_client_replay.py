@@ -29,8 +29,10 @@ LAST_EVENTS = {"/v1/messages": ("message_stop",), "/v1/responses": ("response.in
 
 @pytest.fixture(scope="module")
 def agent_server(tmp_path_factory):
-    # The agents' system prompts and tool lists run to 15,000 tokens: a context that holds them.
-    model = make_tiny_model(tmp_path_factory.mktemp("replay") / "tiny", context=32768,
+    # The agents' system prompts and tool lists run to 15,000 tokens: a context that holds them. One
+    # layer, whose prefill computes no attention (its KV state needs none; only the last token's
+    # logits are read): with two, prefilling those prompts was 40 s of the suite.
+    model = make_tiny_model(tmp_path_factory.mktemp("replay") / "tiny", context=32768, layers=1,
                             chat_template=SYSTEM_FIRST_TEMPLATE)
     with running(["serve", "--model", str(model), "--served-model-name", "tiny", "--model-alias", "*=tiny"],
                  model.parent / "serve.log") as srv:
