@@ -45,7 +45,7 @@ from gateway.ollama_schema import (
 )
 from gateway.output_processor import Delta, RequestGroup
 from gateway.parsing import ToolCall as ParsedCall
-from gateway.parsing import arguments_object
+from gateway.parsing import arguments_object, detect_reasoning, reasons
 from gateway.plan import (
     ChatInput,
     Plan,
@@ -380,11 +380,12 @@ class OllamaAPI:
         entry = self._entry(name)
         worker = self.serving.link.worker_of(name)
         if worker is not None:
-            template, tools, vision = worker.tokenizer.chat_template, worker.tool_format is not None, worker.hello.vision
+            template, tools = worker.tokenizer.chat_template, worker.tool_format is not None
+            thinking, vision = reasons(template, worker.reasoning_markers), worker.hello.vision
         else:  # not loaded: what its files say (apps ask before any load, to offer it for tools or images)
             facts = self.serving.model_facts(name)
-            template, tools, vision = facts.chat_template, False, facts.vision
-        thinking = self.serving.thinks(name)
+            template, tools = facts.chat_template, False
+            thinking, vision = reasons(template, detect_reasoning(template, set())), facts.vision
         capabilities = ["completion"] + [c for c, has in (("tools", tools or "tools" in template),
                                                           ("thinking", thinking), ("vision", vision)) if has]
         family = entry.details.family

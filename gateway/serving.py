@@ -33,7 +33,7 @@ from gateway.images import ImageLoader
 from gateway.metrics import Metrics
 from gateway.model_facts import ModelFacts, model_facts
 from gateway.output_processor import KEEPALIVE, Delta, RequestGroup, RequestState, TokenInfo
-from gateway.parsing import ToolCall, detect_reasoning, opens_reasoning, reasons, stream_parsers
+from gateway.parsing import ToolCall, opens_reasoning, reasons, stream_parsers
 from gateway.plan import ChatInput, DocumentStart, Plan
 from gateway.pool import RETRY_AFTER_S, Lease, ModelPool, Unavailable
 from gateway.responses import EventStream, MsgspecResponse
@@ -182,23 +182,6 @@ class Serving:
             facts.size = worker.hello.weights_bytes or facts.size
         return facts
 
-    def thinks(self, model: str) -> bool | None:
-        """Whether the served model a request for `model` reaches writes
-        reasoning: as its worker reads its template, or before it loads as its
-        files say; None where neither is known yet (a gateway whose worker has
-        not connected). 404 for a name this server does not serve."""
-        names = self.model_names()
-        if not names:
-            return None
-        name = self.served_name(model, names)
-        worker = self.link.worker_of(name)
-        if worker is not None:
-            return reasons(worker.tokenizer.chat_template, worker.reasoning_markers)
-        if self.pool.find(name) is None:
-            return None
-        template = self.model_facts(name).chat_template
-        return reasons(template, detect_reasoning(template, set()))
-
     def served_name(self, model: str, names: list[str]) -> str:
         """The served name a request for `model` reaches: `model` itself (an
         Ollama client's `NAME:latest` is NAME), or the name the first
@@ -309,9 +292,6 @@ class Serving:
 
     async def respond(self, request: Request, plan: Plan, renderer: Renderer) -> Response:
         """Serve one API request: SSE events or one body, written by the renderer."""
-        if plan.thinking_param is not None and self.thinks(plan.model) is False:
-            # Before the lease: refusing it should not load the model (and unload another to make room).
-            raise self.cannot_think(plan)
         lease, worker = await self.lease(plan.model, plan.keep_alive_s, request=request)
         ready_at = time.monotonic()
         streaming = False  # once a stream is open, its generate releases the lease when it ends
@@ -344,7 +324,7 @@ class Serving:
         family, call_format = worker.tokenizer.tool_family, forced_call_format(worker)
         markers = worker.reasoning_markers
         if plan.thinking_param is not None and not reasons(worker.tokenizer.chat_template, markers):
-            raise self.cannot_think(plan)
+            raise APIError(400, f'"{plan.model}" does not support thinking', param=plan.thinking_param)
         # A chat's constrained answer comes after the model's reasoning block (Harmony's channels excepted).
         thinking = Thinking(*markers, opened=opens_reasoning(markers, prompt.text)) \
             if markers is not None and family != "harmony" and isinstance(plan.prompt, ChatInput) else None
@@ -461,10 +441,6 @@ class Serving:
         """End every running request with an error (the server is stopping)."""
         for _, group in self.running.values():
             group.end(message, 503)
-
-    @staticmethod
-    def cannot_think(plan: Plan) -> APIError:
-        return APIError(400, f'"{plan.model}" does not support thinking', param=plan.thinking_param)
 
     def timed_out(self) -> APIError:
         return APIError(504, f"the request ran longer than the server's limit of {self.settings.request_timeout_s:g}s"
