@@ -124,23 +124,21 @@ class Plan:
                 thinking: Thinking | None = None) -> str | None:
         """The grammar the output must follow: a forced tool call (in the
         model's tool-call format, `tool_family`; None: one with no grammar;
-        `tokens`: the model's added tokens; several calls with
-        parallel_tool_calls, where the format has them), JSON, or beside tools
-        the model may call, JSON or calls (an agent asked for a typed final
-        answer); after the model's reasoning, where it has a block for it
-        (`thinking`)."""
+        `tokens`: the model's added tokens), JSON, or beside tools the model
+        may call, JSON or a call (an agent asked for a typed final answer);
+        after the model's reasoning, where it has a block for it (`thinking`)."""
         if self.force_tool_call and self.tools:  # a call is the answer, whatever the response_format
             if tool_family is None:
                 raise APIError(400, "a forced tool_choice is not supported for this model's tool-call format; "
                                "use tool_choice auto", param="tool_choice")
-            return answer_grammar(self.tools, tool_family, tokens, thinking=thinking, several=self.parallel_tool_calls)
+            return answer_grammar(self.tools, tool_family, tokens, thinking=thinking)
         if not self.json_output:
             return None
         answer = self.json_schema or {"type": "object"}
         if self.calls_beside_json(tool_family):
             assert self.tools is not None and tool_family is not None
             return answer_grammar(self.tools, tool_family, tokens, answer_schema=answer,
-                                  strict=self.json_schema_strict, thinking=thinking, several=self.parallel_tool_calls)
+                                  strict=self.json_schema_strict, thinking=thinking)
         if thinking is not None:
             return answer_grammar([], "", tokens, answer_schema=answer, strict=self.json_schema_strict,
                                   thinking=thinking)

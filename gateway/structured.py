@@ -175,9 +175,6 @@ TAGGED = {
     "minimax_m2": ('<minimax:tool_call>\n<invoke name="{name}">\n', '<parameter name="{key}">', "</parameter>\n",
                    "</invoke>\n</minimax:tool_call>"),
 }
-# Formats that write each of several calls as a block of its own, one after another (mlx-lm's
-# parsers read each); the others wrap a turn's calls in one section, or allow one call a turn.
-SEVERAL_CALLS = {"hermes", "qwen3_coder", "glm47"}
 # Formats whose call is one JSON object naming the tool, between fixed markers.
 AROUND = {"hermes": ("<tool_call>\n", "\n</tool_call>"), "mistral": ("[TOOL_CALLS]", ""), "llama3": ("", "")}
 # mlx-lm's parser names (gateway/tool_formats.py) for the formats above.
@@ -279,37 +276,28 @@ class Thinking:
 
 def answer_grammar(tools: list[dict], family: str, tokens: Mapping[str, int] | None = None,
                    param: str = "tool_choice", answer_schema: dict | None = None, strict: bool = False,
-                   thinking: Thinking | None = None, several: bool = False) -> str:
+                   thinking: Thinking | None = None) -> str:
     """Output that is exactly one call of one of `tools`, in the model's own
     tool-call format (one of FAMILY_OF_PARSER's values); `tokens`: the model's
-    added tokens, by text. With `several`, one call or more where the format
-    writes each call as a block of its own (SEVERAL_CALLS; one elsewhere).
-    With `answer_schema` (a JSON response_format, beside tools the model may
-    call or alone), that JSON answer instead of calls is allowed too. With
-    `thinking`, a reasoning block first (optional unless the prompt opened
-    it), then whitespace."""
+    added tokens, by text. With `answer_schema` (a JSON response_format, beside
+    tools the model may call or alone), that JSON answer instead of a call is
+    allowed too. With `thinking`, a reasoning block first (optional unless the
+    prompt opened it), then whitespace."""
     _bounded(tools, "tools")
     tokens = tokens or {}
     lazy: dict[tuple[str, str], str] = {}  # the tagged formats' text values, the reasoning
-    several = several and family in SEVERAL_CALLS
-    lines = []
-    if tools:
-        lines += ["calls: call (SPACE? call)*" if several else "calls: call",
-                  "call: " + " | ".join(f"choice{i}" for i in range(len(tools)))]
-        lines += [f"choice{i}: {_call_rule(tool, family, tokens, lazy)}" for i, tool in enumerate(tools)]
-    answers = ["calls"] if tools else []
+    rules = [_call_rule(tool, family, tokens, lazy) for tool in tools]
     if answer_schema is not None:
         _bounded(answer_schema, "response_format")
-        lines.append(f"json_answer: %json {json.dumps(_compact(answer_schema, strict))}")
-        answers.append("json_answer")
+        rules.append(f"%json {json.dumps(_compact(answer_schema, strict))}")
     start = "answer"
     if thinking is not None:
         thought = _raw_text("(?s:.*)", thinking.close, tokens, lazy)
         block = thought if thinking.opened else f"({_text(thinking.open, tokens)} {thought})?"
         start = f"{block} SPACE? answer"
-    if thinking is not None or several:
-        lines.append("SPACE: /[ \\t\\r\\n]+/")
-    lark = "\n".join([f"start: {start}", "answer: " + " | ".join(answers), *lines]) + "\n" + _lazy_rules(lazy)
+    lark = (f"start: {start}\nanswer: " + " | ".join(f"choice{i}" for i in range(len(rules))) + "\n"
+            + "".join(f"choice{i}: {rule}\n" for i, rule in enumerate(rules)) + _lazy_rules(lazy)
+            + ("SPACE: /[ \\t\\r\\n]+/\n" if thinking is not None else ""))
     try:
         return _validated(llguidance.LLMatcher.grammar_from_lark(lark), param)
     except APIError:

@@ -2,7 +2,6 @@
 model writes it, refuses one that breaks the schema, and what it accepts is
 what the format's parser reads back."""
 
-import dataclasses
 import json
 
 import llguidance
@@ -11,8 +10,7 @@ from tokenizers import AddedToken
 
 from gateway.errors import APIError
 from gateway.parsing import HarmonyParser, ToolCallParser
-from gateway.plan import ChatInput, Plan, SamplingParams
-from gateway.structured import SEVERAL_CALLS, TAGGED, Thinking, answer_grammar, json_schema_grammar
+from gateway.structured import TAGGED, Thinking, answer_grammar, json_schema_grammar
 from gateway.tool_formats import load_tool_format
 from tests.tiny_model import train_tokenizer
 
@@ -74,35 +72,6 @@ def test_the_grammar_accepts_the_call_and_the_parser_reads_it_back(tokenizer, fa
     assert accepts(tokenizer, grammar, text)
     assert not accepts(tokenizer, grammar, text.replace("3", '"three"', 1))  # days must be an integer
     assert parsed(family, parser_name, text) == [("get_weather", ARGUMENTS)]
-
-
-@pytest.mark.parametrize("family", sorted(CALLS))
-def test_parallel_calls_come_one_after_another_where_the_format_writes_them_so(tokenizer, family):
-    """tool_choice required with parallel_tool_calls: a model of a format that
-    writes each call as a block of its own may write several, as it would
-    unforced; the others (a section around a turn's calls, one call a turn)
-    stay at one."""
-    parser_name, text = CALLS[family]
-    tokens = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
-    two = text + "\n" + text.replace("New York", "Oslo")
-    assert accepts(tokenizer, answer_grammar([TOOL], family, tokens, several=True), two) == (family in SEVERAL_CALLS)
-    assert not accepts(tokenizer, answer_grammar([TOOL], family, tokens), two)
-    assert accepts(tokenizer, answer_grammar([TOOL], family, tokens, several=True), text)
-    if family in SEVERAL_CALLS:
-        assert parsed(family, parser_name, two) == [("get_weather", ARGUMENTS),
-                                                    ("get_weather", {**ARGUMENTS, "city": "Oslo"})]
-
-
-def test_a_plan_asks_for_several_calls_unless_parallel_tool_calls_is_off(tokenizer):
-    """Forced (tool_choice required), or beside a JSON answer (response_format with tools)."""
-    tokens = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
-    _, call = CALLS["hermes"]
-    two = call + "\n" + call
-    forced = Plan("m", ChatInput([]), SamplingParams(), [], tools=[TOOL], force_tool_call=True)
-    beside_json = Plan("m", ChatInput([]), SamplingParams(), [], tools=[TOOL], json_output=True)
-    for plan in (forced, beside_json):
-        assert accepts(tokenizer, plan.grammar("hermes", tokens), two)
-        assert not accepts(tokenizer, dataclasses.replace(plan, parallel_tool_calls=False).grammar("hermes", tokens), two)
 
 
 @pytest.mark.parametrize("family", ["qwen3_coder", "glm47", "minimax_m2"])
