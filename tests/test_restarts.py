@@ -387,7 +387,7 @@ def test_a_long_step_that_keeps_the_cpu_busy_is_not_hung(tmp_path):
     is not taken for hung (it was killed at every try, its request with it)."""
     model = make_tiny_model(tmp_path / "long", context=8192)
     server = Server(["serve", "--model", str(model), "--served-model-name", MODEL_NAME, "--heartbeat-s", "0.05",
-                     "--hung-worker-s", "1", "--prefill-chunk", "8192"], tmp_path / "serve.log")
+                     "--hung-worker-s", "2", "--prefill-chunk", "8192"], tmp_path / "serve.log")
     try:
         server.wait_ready()
         pid = server.health()["worker"]["pid"]
