@@ -301,14 +301,17 @@ def chunk_size(budget: float, timed: Sequence[tuple[int, float]], step_size: int
     take at what a token adds to a chunk (`timed`: the latest chunks' sizes
     and seconds; MIN_CHUNK until one is timed), at most twice the largest of
     those (a size not tried yet is tried step by step), step_size at most,
-    and never fewer than MIN_CHUNK, which keeps chunks efficient."""
+    and never fewer than MIN_CHUNK, which keeps chunks efficient: a tail of
+    fewer than that goes with the chunk before it (within step_size) rather
+    than cost a step of its own, where a forward pass of a few tokens costs
+    about as much as one of MIN_CHUNK."""
     size = step_size
     if budget != math.inf:
         seconds = token_seconds(timed)
         wanted = MIN_CHUNK if seconds is None else int(min(budget / seconds, size))
         largest = max((n for n, _ in timed), default=MIN_CHUNK)
         size = min(size, max(MIN_CHUNK, min(wanted, 2 * largest)))
-    return min(size, left)
+    return left if left - size < MIN_CHUNK and left <= step_size else min(size, left)
 
 
 def token_seconds(timed: Sequence[tuple[int, float]]) -> float | None:

@@ -262,3 +262,7 @@ def test_prompt_chunks_grow_where_a_token_adds_little_to_a_chunks_time():
     assert chunk_size(0.005, [], 2048, 1000) == MIN_CHUNK
     assert chunk_size(math.inf, [(32, 0.16)], 512, 1000) == 512
     assert chunk_size(10.0, [(32, 0.16)], 8, 1000) == 8
+    # A tail shorter than MIN_CHUNK goes with the chunk before it (a step saved), within step_size.
+    assert chunk_size(0.005, [], 2048, MIN_CHUNK + 15) == MIN_CHUNK + 15
+    assert chunk_size(0.005, [], 2048, 2 * MIN_CHUNK) == MIN_CHUNK
+    assert chunk_size(math.inf, [], 512, 520) == 512
