@@ -72,8 +72,10 @@ class PooledModel:
     failure: str | None = None  # why its last load failed, until the next
     failed_at: float = 0.0
     unload_requested: bool = False  # by an admin, while requests ran: it unloads when they end
-    # Loaded at start and asked for by no request yet: its keep-alive runs from when it is ready.
-    idle_once_ready: bool = False
+    # Its keep-alive, whose clock starts once its worker is ready: loaded at start and asked for by no
+    # request yet, or left by its last request while still loading (a load longer than --worker-wait-s
+    # is not stopped for being idle, to start over at the next request).
+    idle_once_ready: float | None = None
     # While its worker is being stopped: ends once it has exited (until then its memory is not free).
     stop_task: asyncio.Task | None = None
 
@@ -183,7 +185,7 @@ class ModelPool:
                         log.warning("--preload: %s is left unloaded: %s", m.name, self._why_no_room(m))
                         continue
                     await self._start(m, at_start=True)
-                    m.idle_once_ready = not m.pinned
+                    m.idle_once_ready = None if m.pinned else self.keep_alive_s
                     self._starting.add(m.name)
         self._reaper = asyncio.create_task(self._reap(), name="mlxd-pool-reaper")
 
@@ -217,7 +219,7 @@ class ModelPool:
                 and time.monotonic() - m.failed_at < FAILED_LOAD_HOLD_S):
             raise Unavailable(f"the model {name} cannot load: {m.failure}", "model_load_failed")
         m.users += 1
-        m.idle_once_ready = False
+        m.idle_once_ready = None
         m.last_used = time.monotonic()
         try:
             await self._load(m, time.monotonic() + wait_s)
@@ -272,7 +274,9 @@ class ModelPool:
             if m.unload_requested:
                 keep = 0.0
             m.idle_until = math.inf if m.pinned else m.last_used + keep
-            if keep == 0 and (not m.pinned or m.unload_requested):
+            if not m.pinned and not m.unload_requested and m.running and self.status(m.name) != "loaded":
+                m.idle_once_ready, m.idle_until = keep, math.inf
+            elif keep == 0 and (not m.pinned or m.unload_requested):
                 task = asyncio.get_running_loop().create_task(self._unload_if_idle(m))
                 self._unloading.add(task)  # held until done: the loop keeps only a weak reference
                 task.add_done_callback(self._unloading.discard)
@@ -303,7 +307,7 @@ class ModelPool:
             raise ValueError(f"pinning {name} would pin more models than --max-loaded-models ({self.max_loaded})")
         m.pinned = pinned
         if pinned:
-            m.idle_until = math.inf
+            m.idle_once_ready, m.idle_until = None, math.inf
         elif m.users == 0:
             m.idle_until = time.monotonic() + self.keep_alive_s
 
@@ -488,8 +492,8 @@ class ModelPool:
             await asyncio.sleep(REAP_INTERVAL_S)
             now = time.monotonic()
             for m in list(self.models.values()):
-                if m.idle_once_ready and self.status(m.name) == "loaded":
-                    m.idle_once_ready, m.idle_until = False, now + self.keep_alive_s
+                if m.idle_once_ready is not None and self.status(m.name) == "loaded":
+                    m.idle_once_ready, m.idle_until = None, now + m.idle_once_ready
                 if m.running and m.users == 0 and now >= m.idle_until:
                     await self._unload_if_idle(m)
 

@@ -295,6 +295,23 @@ def test_keep_alive_zero_unloads_the_model_after_its_answer(lazy_pool, models):
     assert lazy_pool.health()["pool"]["models"]["beta"]["unloads_in_s"] > 50
 
 
+def test_a_load_slower_than_the_wait_goes_on_when_its_request_gives_up(models, tmp_path):
+    """keep_alive 0 and a load longer than --worker-wait-s: the request's 503 left the model idle, and it was
+    stopped mid-load (each retry starting it over, a large model never served). It finishes loading now;
+    the keep-alive counts from then."""
+    srv = Server(["serve", "--model", f"alpha={models['alpha']}", "--worker-wait-s", "0.2"], tmp_path / "serve.log",
+                 env=LAZY)
+    try:
+        wait_for(srv.answers, 60, "the gateway")
+        body = {"model": "alpha", "prompt": PROMPT, "max_tokens": 4, "keep_alive": 0}
+        assert srv.http.post("/v1/completions", json=body).status_code == 503
+        wait_for(lambda: "worker ready" in srv.log_path.read_text(), 60, "alpha's worker to finish loading")
+        wait_for(lambda: statuses(srv)["alpha"] == "unloaded", 10, "alpha to unload once ready (keep_alive 0)")
+        assert "unloading alpha: idle past its keep-alive" in srv.log_path.read_text()
+    finally:
+        srv.stop()
+
+
 @pytest.mark.parametrize("value", ["soon", "5 minutes", True, [1]])
 def test_a_bad_keep_alive_is_a_400_in_each_api(lazy_pool, value):
     openai = lazy_pool.http.post("/v1/chat/completions", json={
