@@ -492,8 +492,8 @@ class ModelPool:
             await asyncio.sleep(REAP_INTERVAL_S)
             now = time.monotonic()
             for m in list(self.models.values()):
-                if m.idle_once_ready is not None and self.status(m.name) == "loaded":
-                    m.idle_once_ready, m.idle_until = None, now + m.idle_once_ready
+                if (keep := m.idle_once_ready) is not None and self.status(m.name) == "loaded":
+                    m.idle_once_ready, m.idle_until = None, now + keep
                 if m.running and m.users == 0 and now >= m.idle_until:
                     await self._unload_if_idle(m)
 
