@@ -27,6 +27,7 @@ holds; a file that cannot be removed or written is logged, never fatal.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
@@ -149,8 +150,12 @@ def open_directory(directory: Path) -> Path:
         raise ValueError(f"{directory} belongs to another user (uid {info.st_uid})")
     if not os.access(directory, os.W_OK | os.X_OK):
         raise ValueError(f"{directory} is not writable")
-    for path, _ in _stats(directory, "*" + SUFFIX):  # blocks of the layout before each model had its own directory
-        path.unlink(missing_ok=True)
+    # Blocks of the layout before each model had its own directory: named by their key, starting with MAGIC
+    # (an operator's own files that happen to end in .kv stay).
+    for path, _ in _stats(directory, "[0-9a-f]" * 64 + SUFFIX):
+        with contextlib.suppress(OSError), path.open("rb") as f:
+            if f.read(len(MAGIC)) == MAGIC:
+                path.unlink(missing_ok=True)
     return directory
 
 
@@ -198,15 +203,19 @@ class DiskCache:
         for key in keys:
             with self._lock:
                 known = key in self._files
-            if not self._path(key).exists():
+            # os.path: a disk that fails to answer (EIO, EACCES) is a miss, not an error that ends the worker
+            if not os.path.exists(self._path(key)):
                 if known:
                     self._forget(key)
                 break  # not on disk (another worker on this directory may have written one that is)
             chain.append((key, known))
-        self._touch([key for key, _ in chain])
         if len(chain) * BLOCK_TOKENS <= beyond:
+            self._touch([key for key, _ in chain])
             return None, 0
         blocks = self._read_chain(chain)
+        # Once read, in the chain's order: blocks another worker wrote enter this one's count first to last,
+        # so the touch must follow for the first to be the most recent (eviction trims a chain's end).
+        self._touch([key for key, _ in chain[:len(blocks)]])
         length = len(blocks) * BLOCK_TOKENS
         if length <= beyond:
             return None, 0
@@ -239,7 +248,7 @@ class DiskCache:
             blocks.append(block)
             if not known:
                 with self._lock:
-                    if self._path(key).exists():  # another worker on the directory may have removed it since
+                    if os.path.exists(self._path(key)):  # another worker on the directory may have removed it since
                         self._count(key, block.file_bytes)
         return blocks
 
@@ -277,8 +286,15 @@ class DiskCache:
                     return
                 self._queued_bytes += size
                 self._queued.add(key)
-            mx.eval(arrays)
-            self._pending.put((key, block_payload(arrays, layout), size, keys[:index]))
+            try:
+                mx.eval(arrays)
+                payload = block_payload(arrays, layout)
+            except BaseException:  # the writer, which gives a reservation back, will never see this one
+                with self._lock:
+                    self._queued_bytes -= size
+                    self._queued.discard(key)
+                raise
+            self._pending.put((key, payload, size, keys[:index]))
 
     def close(self) -> None:
         """Write what is queued, then stop the writer and the readers."""

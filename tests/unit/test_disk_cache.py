@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from worker.disk_cache import BLOCK_TOKENS, DiskCache, chain_keys, open_directory
+from worker.disk_cache import BLOCK_TOKENS, MAGIC, DiskCache, chain_keys, open_directory
 
 IDENTITY = b"model-a"
 
@@ -166,10 +166,13 @@ def test_a_directory_that_cannot_serve_says_why(tmp_path):
         open_directory(tmp_path / "file")
     with pytest.raises(OSError):
         open_directory(tmp_path / "file" / "kv")
-    # Blocks of the layout before each model had a directory of its own are nobody's now.
-    (made / ("0" * 64 + ".kv")).write_bytes(b"old")
+    # Blocks of the layout before each model had a directory of its own are nobody's now; an operator's
+    # own files that end in .kv are not blocks.
+    (made / ("0" * 64 + ".kv")).write_bytes(MAGIC + b"old")
+    (made / ("1" * 64 + ".kv")).write_bytes(b"someone else's")
+    (made / "notes.kv").write_bytes(MAGIC)
     open_directory(made)
-    assert not (made / ("0" * 64 + ".kv")).exists()
+    assert sorted(p.name for p in made.iterdir()) == ["1" * 64 + ".kv", "notes.kv"]
 
 
 def garbage(path, _tokens) -> None:
@@ -206,6 +209,55 @@ def test_workers_sharing_a_directory_read_each_others_blocks(tmp_path):
     _, length = reader.restore(tokens, 0)
     assert length == 2 * BLOCK_TOKENS
     assert reader.nbytes == sum(f.stat().st_size for f in block_files(tmp_path))
+
+
+def test_a_chain_another_worker_wrote_is_evicted_from_its_end_too(tmp_path):
+    """Read back by a worker that did not write it, the chain enters its count
+    first to last: the touch must come after, or its first block went first."""
+    used, other = list(range(4 * BLOCK_TOKENS)), list(range(5000, 5000 + BLOCK_TOKENS))
+    cache = kv_cache(len(used))
+    block = block_bytes(tmp_path, cache)
+    reader = DiskCache(tmp_path / "kv", 4 * block, IDENTITY)  # started before the other wrote anything
+    written(tmp_path / "kv", 4 * block, used, cache)
+    assert reader.restore(used, 0)[1] == 4 * BLOCK_TOKENS
+    reader.save(other, cache)  # one block of `used` must go
+    reader.close()
+    assert DiskCache(tmp_path / "kv", 4 * block, IDENTITY).restore(used, 0)[1] == 3 * BLOCK_TOKENS
+
+
+def test_a_disk_that_fails_to_answer_is_a_miss(tmp_path, monkeypatch):
+    """EIO (a failing external disk, a stale network mount) from looking a block up ended the worker."""
+    tokens = list(range(2 * BLOCK_TOKENS))
+    written(tmp_path, 1 << 30, tokens, kv_cache(len(tokens)))
+    disk = DiskCache(tmp_path, 1 << 30, IDENTITY)
+    stat = os.stat
+
+    def failing(path, *args, **kwargs):
+        if str(path).endswith(".kv"):
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", failing)
+    assert disk.restore(tokens, 0) == (None, 0)
+
+
+def test_a_block_that_fails_to_queue_gives_its_room_back(tmp_path, monkeypatch):
+    """An error evaluating a block (out of memory) left its reservation of the write queue held for good:
+    a few of them, and nothing was written again."""
+    tokens = list(range(BLOCK_TOKENS))
+    disk = DiskCache(tmp_path, 1 << 30, IDENTITY)
+    evaluate = mx.eval
+
+    def failing(*arrays):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(mx, "eval", failing)
+    with pytest.raises(RuntimeError):
+        disk.save(tokens, kv_cache(len(tokens)))
+    monkeypatch.setattr(mx, "eval", evaluate)
+    disk.save(tokens, kv_cache(len(tokens)))
+    disk.close()
+    assert len(block_files(tmp_path)) == 1
 
 
 def test_a_file_gone_while_a_worker_starts_is_skipped(tmp_path):
