@@ -196,10 +196,11 @@ def _stop_with_parent(parent_pid: int | None) -> None:
 def model_identity(loaded: LoadedModel) -> bytes:
     """What KV state on disk is filed under: the weights' digest, the
     tokenizer's files (its chat template among them) and the versions of the
-    MLX packages that compute the state, so that blocks of another model,
-    quantization or template, or of a model's code before an upgrade, never match."""
+    MLX packages and of mlxd (its own positions for images, its dequantizing),
+    which compute the state, so that blocks of another model, quantization or
+    template, or of a model's code before an upgrade, never match."""
     identity = hashlib.sha256(loaded.digest.encode())
-    for package in MLX_PACKAGES:
+    for package in (*MLX_PACKAGES, "mlxd"):
         identity.update(f"{package}={installed_version(package)}\0".encode())
     for name, data in sorted(loaded.tokenizer_files.items()):
         identity.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
