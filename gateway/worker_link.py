@@ -474,7 +474,8 @@ class WorkerLink:
         for old in list(self.workers.values()):
             if not set(old.names) & set(names):
                 continue  # another model's
-            if old.hello.model_digest != hello.model_digest or not old.ready:
+            # A draining one is finishing its streams (its operator stopped it): it goes by itself.
+            if old.hello.model_digest != hello.model_digest or old.vitals.state in UNHEALTHY:
                 why = "serving other weights" if old.hello.model_digest != hello.model_digest else "not answering"
                 self._lose_worker(old, f"replaced by a newer worker (pid {hello.pid}); it was {why}", set())
                 # Should the old one wake up, it must not serve beside the new one.

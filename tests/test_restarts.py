@@ -451,6 +451,30 @@ def test_a_lost_replicas_streams_resume_on_the_other(split, expected):
     assert [w["pid"] for w in health["workers"]] == [second.pid]
 
 
+def test_a_draining_replica_keeps_its_streams_when_another_connects(split, expected):
+    """A replica stopped by its operator finishes its streams (--drain-s): one
+    that connects meanwhile was taken to replace it ("not answering"), and its
+    streams moved, each counted as a worker loss."""
+    s = split("--worker-timeout-s", "30")
+    first = s.start_worker("--drain-s", "60")
+    s.gateway.wait_ready()
+    reader = StreamReader(s.gateway.url)
+    reader.start()
+    reader.wait_for_pieces(20)
+    os.kill(first.pid, signal.SIGTERM)
+    wait_for(lambda: [w["state"] for w in s.gateway.health()["workers"]] == ["draining"], 10, "the first to drain")
+    os.kill(first.pid, signal.SIGSTOP)  # its stream still under way when the other says Hello
+    try:
+        second = s.start_worker()
+        wait_for(lambda: second.pid in running_by_worker(s), 60, "the second worker")
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    assert_read_whole([reader], expected)
+    assert first.wait(30) == 0
+    assert s.gateway.health()["worker"]["requests_resumed"] == 0
+    assert "replaced by a newer worker" not in s.gateway.log_path.read_text()
+
+
 def test_a_shared_prefix_goes_to_the_replica_that_holds_it(split):
     s = split()
     first, second = two_replicas(s)
