@@ -104,6 +104,7 @@ class WorkerSupervisor:
     async def start(self) -> None:
         self.link.load_failures.pop(self.model, None)  # an earlier start's
         self._stopping = False
+        self._restart_requested = False  # one asked of the last start's worker, stopped before it came
         self._restarts = Restarts()  # a new start (the pool loads the model again) starts afresh
         self.restarted = False  # its worker exited since this start: the model was served and is not now
         self._task = asyncio.create_task(self._run(), name="mlxd-supervisor")
