@@ -414,22 +414,28 @@ class ModelPool:
         beside the rest: those already stopping first (they are going anyway:
         concurrent requests wait for the same ones rather than each unloading
         another), then the least recently used; None if unloading every model
-        that may go (idle ones only, or busy ones too) is not enough."""
+        that may go (idle ones only, or busy ones too) is not enough. Not
+        idle_only asks whether it will ever fit: once the running requests
+        end, their KV state is gone too (a pinned model's among them)."""
         others = [o for o in self.models.values() if o.holds_memory and o is not m]
         for o in others:
             self._measure(o)
         candidates = sorted((o for o in others if o.stopping
                              or o.running and not o.pinned and (o.users == 0 or not idle_only)),
                             key=lambda o: (not o.stopping, o.last_used))
+
+        def held(o: PooledModel) -> int:
+            return o.charge.total_here if idle_only else o.charge.fixed_here
+
         victims: list[PooledModel] = []
-        loaded, used = len(others) + 1, sum(o.charge.total_here for o in others)
+        loaded, used = len(others) + 1, sum(map(held, others))
         while loaded > self.max_loaded or used + need > self.budget:
             if not candidates:
                 return None
             victim = candidates.pop(0)
             victims.append(victim)
             loaded -= 1
-            used -= victim.charge.total_here
+            used -= held(victim)
         return victims
 
     def _why_no_room(self, m: PooledModel) -> str:

@@ -148,3 +148,27 @@ def test_a_request_that_ends_while_its_reservation_waits_for_the_lock_is_never_c
             await pool.link.close()
 
     asyncio.run(run())
+
+
+def test_a_model_that_fits_once_a_pinned_models_requests_end_waits_for_room(tmp_path):
+    """The running requests' KV state of a pinned model (never unloaded to make room) was counted as if it
+    stayed: a model that fits once they end was refused at once ("cannot load"), not given the wait."""
+    async def run() -> None:
+        pool = pool_of(tmp_path, ["p", "b"])
+        await run_deaf_worker(pool, "p")
+        p, b = pool.models["p"], pool.models["b"]
+        p.pinned = True
+        p.users += 1  # the lease's hold, as ModelPool.lease takes it
+        lease = Lease(pool, p, None)
+        try:
+            await lease.reserve(KVFootprint(), other=300)  # weights 400 + 300 of KV: b's 400 is over the 900
+            began = time.monotonic()
+            with pytest.raises(Unavailable, match="within the wait"):
+                await pool._load(b, time.monotonic() + 0.3)
+            assert time.monotonic() - began >= 0.3 and not b.running
+        finally:
+            lease.release()
+            await pool.stop()
+            await pool.link.close()
+
+    asyncio.run(run())
