@@ -9,6 +9,7 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import socket
 import time
 from pathlib import Path
 
@@ -24,6 +25,22 @@ LOOPBACK_NAMES = {"localhost", "127.0.0.1", "[::1]", "::1"}
 # Names under these no one can register, so no page can rebind them: Docker
 # Desktop's containers reach the Mac as host.docker.internal.
 RESERVED_SUFFIXES = (".localhost", ".internal")
+
+
+def machine_names() -> set[str]:
+    """This machine's own names, as clients on the network reach it: its host
+    name, with and without `.local` (a Mac's Bonjour name)."""
+    name = socket.gethostname().lower()
+    short = name.removesuffix(".local")
+    return {name, short, short + ".local"}
+
+
+def is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 def is_loopback(host: str) -> bool:
@@ -135,7 +152,9 @@ class Guard:
         # /admin/*); a request's keep_alive could unload its model (0) or keep it for good.
         self.keep_alive_limit_s = keep_alive_s if self.admin_keys.enabled else None
         self.loopback = is_loopback(settings.host)
-        self.allowed_hosts = LOOPBACK_NAMES | {h.lower() for h in settings.allowed_host}
+        # Beyond loopback (--insecure-no-auth) clients name this machine by an address or its own name.
+        self.allowed_hosts = LOOPBACK_NAMES | {h.lower() for h in settings.allowed_host} | (
+            set() if self.loopback else machine_names())
         self.any_origin = "*" in settings.cors_origin
         self.origins = {o.encode() for o in settings.cors_origin}
 
@@ -144,9 +163,10 @@ class Guard:
             return await self.app(scope, receive, send)
         scope.setdefault("state", {})["arrived"] = time.monotonic()
         headers = dict(scope["headers"])
-        if self.loopback and not self.keys.enabled and not self._host_allowed(headers.get(b"host", b"")):
-            # A web page on another name that resolves to 127.0.0.1 must not
-            # reach an unauthenticated local server.
+        if not self.keys.enabled and not self._host_allowed(headers.get(b"host", b"")):
+            # A web page on another name that resolves to this machine (127.0.0.1, or its
+            # address on the network) must not reach a server without keys: under its own
+            # name, its requests would pass for the same origin's.
             return await _reject(scope, send, 403, "this Host is not allowed; add it with --allowed-host",
                                  "host_not_allowed")
         path = scope["path"]
@@ -186,7 +206,9 @@ class Guard:
             name = name[: name.find("]") + 1]
         else:
             name = name.rsplit(":", 1)[0]
-        return name in self.allowed_hosts or name.endswith(RESERVED_SUFFIXES)
+        # No page can make an address its own origin; beyond loopback, clients name the server by one.
+        return (name in self.allowed_hosts or name.endswith(RESERVED_SUFFIXES)
+                or not self.loopback and is_ip_literal(name))
 
 
 def keep_alive_for(request: Request, keep_alive_s: float | None) -> float | None:

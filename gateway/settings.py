@@ -69,7 +69,8 @@ class GatewaySettings(LogSettings, kw_only=True):
         bool, Meta(description="allow listening beyond loopback without API keys (dangerous)")
     ] = False
     allowed_host: Annotated[
-        list[str], Meta(description="a Host name to accept besides localhost (DNS-rebinding guard)")
+        list[str], Meta(description="a Host name to accept without keys besides localhost, and beyond loopback the "
+                                    "machine's addresses and own name (DNS-rebinding guard)")
     ] = []
     cors_origin: Annotated[list[str], Meta(description="a browser origin allowed by CORS (default: none)")] = []
     max_body_bytes: Annotated[int, Meta(ge=1, description="largest request body accepted (413 beyond)")] = 8 << 20

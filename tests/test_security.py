@@ -112,12 +112,23 @@ def test_non_loopback_bind_without_key_refuses_to_start(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_insecure_no_auth_starts_with_a_loud_warning(tmp_path):
-    server = Server(["gateway", "--host", "0.0.0.0", "--insecure-no-auth",
+def test_insecure_no_auth_starts_with_a_loud_warning_and_guards_its_host(tmp_path):
+    """Beyond loopback without keys, DNS rebinding reaches the server too (a page's
+    name made to resolve to the Mac's address): its requests, under the page's own
+    name, passed the cross-site check. Addresses and the machine's names pass."""
+    server = Server(["gateway", "--host", "0.0.0.0", "--insecure-no-auth", "--allowed-host", "mlx.lan",
                      "--worker-endpoint", f"ipc://{tmp_path}/w.sock"], tmp_path / "gateway.log")
     try:
         wait_for(server.answers, 30, "the gateway")
         assert "NO API KEY" in server.log_path.read_text()
+        port = server.port
+        rebound = {"Host": f"evil.example:{port}", "Origin": f"http://evil.example:{port}",
+                   "Sec-Fetch-Site": "same-origin"}
+        assert_error(server.http.post("/admin/models/tiny/unload", headers=rebound), 403, "host_not_allowed")
+        assert_error(server.http.get("/v1/models", headers={"Host": "evil.example"}), 403, "host_not_allowed")
+        for host in (f"192.168.1.5:{port}", f"[fe80::1]:{port}", f"{socket.gethostname()}:{port}",
+                     f"{socket.gethostname().removesuffix('.local')}.local", "mlx.lan", f"localhost:{port}"):
+            assert server.http.get("/v1/models", headers={"Host": host}).status_code == 200, host
     finally:
         server.stop()
 
