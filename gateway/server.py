@@ -71,7 +71,9 @@ def request_deadlines(timeout_s: float) -> type[HttpToolsProtocol]:
     waits for them for good: a host on the network, with no key (keys are
     read from the headers), could hold every file descriptor the gateway may
     open with connections that never finish a request, or one whose body
-    never ends after its answer."""
+    never ends after its answer. Between requests a connection has
+    `timeout_s` too once it sends anything (uvicorn's keep-alive timer stops
+    at any byte, even the blank line that begins no request)."""
 
     class RequestDeadlines(HttpToolsProtocol):
         _deadline: asyncio.TimerHandle | None = None
@@ -91,6 +93,14 @@ def request_deadlines(timeout_s: float) -> type[HttpToolsProtocol]:
                 if self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
                     self.transport.write(_TOO_LARGE)
                     self.transport.close()
+            if (self.cycle is None or self.cycle.response_complete) and self.timeout_keep_alive_task is None:
+                self._arm(timeout_s)  # between requests, and uvicorn's keep-alive timer stopped by these bytes
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            cycle = self.cycle  # the latest request read: the only one whose body may not be whole
+            if not self.pipeline and cycle is not None and not cycle.response_complete and cycle.more_body:
+                self._arm(2 * timeout_s)  # it was pipelined and starts now: its body, unread till now, has its time
 
         def on_message_begin(self) -> None:
             super().on_message_begin()

@@ -233,6 +233,20 @@ def test_limits(tiny_model, tmp_path):
                 sock.settimeout(5)
                 started = time.monotonic()
                 assert sock.recv(100) == b"" and time.monotonic() - started < 3, opening
+        # After an answer: a blank line (no request begins) stopped uvicorn's keep-alive timer, and nothing
+        # closed the connection any more; a request pipelined behind another had no time limit on its body.
+        health = b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n"
+        for first, then in ((health, b"\r\n"), (health + b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                                                   b"Content-Length: 1000\r\n\r\n{", b"")):
+            with socket.create_connection(("127.0.0.1", server.port)) as sock:
+                sock.settimeout(10)
+                sock.sendall(first)
+                assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+                sock.sendall(then)
+                started = time.monotonic()
+                while sock.recv(65536):
+                    pass
+                assert time.monotonic() - started < 3, first + then
 
         # Over the total request time: aborted, in the worker too.
         long = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True}
