@@ -290,6 +290,7 @@ def install(layout: Layout, jobs: dict[str, dict], keys: list[str], output: Path
     _need_launchctl()  # before anything is written
     layout.plist_dir.mkdir(parents=True, exist_ok=True)
     layout.log_dir.mkdir(parents=True, exist_ok=True)
+    layout.log_dir.chmod(0o700)  # the logs are the job's user's: with --log-prompts they hold the prompts
     if layout.system:
         os.chown(layout.log_dir, layout.user.pw_uid, layout.user.pw_gid)
     if keys:

@@ -37,7 +37,7 @@ def follow_log_file(path: str) -> None:
 
 
 def _point_at(path: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # with --log-prompts, the prompts
     try:
         sys.stdout.flush()
         sys.stderr.flush()

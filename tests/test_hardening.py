@@ -407,5 +407,6 @@ def test_logs_follow_their_file_when_log_rotation_moves_it(tiny_model, tmp_path)
         time.sleep(CHECK_EVERY_S * 2.5)
     after = log.read_text()  # the gateway's drain and the worker's, written once the server was told to stop
     assert "draining" in after and "received SIGTERM" in after
+    assert log.stat().st_mode & 0o777 == 0o600  # with --log-prompts, a log holds the prompts
     assert "worker ready" in (tmp_path / "mlxd.log.0").read_text() and "draining" not in (
         tmp_path / "mlxd.log.0").read_text()
