@@ -8,6 +8,7 @@ with `mlxd keys generate DIR --name NAME` (ZeroMQ certificate files).
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import zmq
@@ -63,6 +64,11 @@ def secure_server(context: zmq.Context, socket: zmq.Socket, secret_key: str | No
 
 def generate(directory: Path, name: str) -> tuple[Path, Path]:
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    public, secret = zmq.auth.create_certificates(str(directory), name)
-    Path(secret).chmod(0o600)
+    # Created private, not made so after: in a directory others can read, they could open it in between.
+    umask = os.umask(0o077)
+    try:
+        public, secret = zmq.auth.create_certificates(str(directory), name)
+    finally:
+        os.umask(umask)
+    Path(public).chmod(0o644)  # to be copied to the other side
     return Path(public), Path(secret)

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from gateway.security import KeyRing, is_loopback, keys_required, presented_key
@@ -70,3 +72,25 @@ def test_presented_key_forms():
     assert presented_key({b"authorization": b"Basic abc"}) is None
     assert presented_key({b"x-api-key": b"xyz", b"authorization": b"Bearer abc"}) == "xyz"
     assert presented_key({}) is None
+
+
+def test_a_curve_secret_key_is_private_from_its_creation(tmp_path, monkeypatch):
+    """pyzmq writes it under the process's umask; made 0600 only after, a reader in a shared directory
+    could open it in between."""
+    import zmq.auth
+
+    from gateway.curve import generate
+
+    modes = []
+    write = zmq.auth.certs._write_key_file
+
+    def watched(path, *args, **kwargs):
+        write(path, *args, **kwargs)
+        modes.append((path.endswith("_secret"), os.stat(path).st_mode & 0o777))
+
+    monkeypatch.setattr(zmq.auth.certs, "_write_key_file", watched)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    public, secret = generate(shared, "w1")
+    assert (True, 0o600) in modes  # as it was written
+    assert os.stat(secret).st_mode & 0o777 == 0o600 and os.stat(public).st_mode & 0o777 == 0o644
