@@ -82,7 +82,9 @@ def test_a_curve_secret_key_is_private_from_its_creation(tmp_path, monkeypatch):
     from gateway.curve import generate
 
     modes = []
-    write = zmq.auth.certs._write_key_file
+    write = getattr(zmq.auth.certs, "_write_key_file", None)  # pyzmq's own writer, watched as it writes
+    if write is None:
+        pytest.skip("this pyzmq writes its key files otherwise")
 
     def watched(path, *args, **kwargs):
         write(path, *args, **kwargs)
