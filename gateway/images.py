@@ -114,6 +114,10 @@ class ImageLoader:
 
     async def _fetch(self, url: str, param: str) -> bytes:
         parts = urlsplit(url)
+        if "@" in parts.netloc or "%" in parts.netloc:
+            # What urllib connects to would then be the whole netloc, not the host checked below.
+            raise APIError(400, "image URLs may not carry credentials or escapes in their host", param=param,
+                           code="image_host_not_allowed")
         host = (parts.hostname or "").lower()
         if host not in self.allowed_hosts and parts.netloc.lower() not in self.allowed_hosts:
             raise APIError(400, f"image URLs of host {host!r} are not allowed on this server "

@@ -167,6 +167,9 @@ def test_allowed_host_is_fetched_and_others_are_not(client, vision_reference, im
     assert response.choices[0].message.content == expected.text
     with pytest.raises(openai.BadRequestError, match="redirect"):
         chat(client, openai_messages(f"http://{image_host}/redirect"))
+    for url in (f"http://user:pass@{image_host}/cat.png", f"http://evil.example@{image_host}/cat.png"):
+        with pytest.raises(openai.BadRequestError, match="credentials"):
+            chat(client, openai_messages(url))
 
 
 def test_mixed_batch_keeps_each_request_its_own_sampling(client, vision_server, vision_reference):
