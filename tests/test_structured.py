@@ -13,7 +13,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import MODEL_NAME
+from tests.conftest import MODEL_NAME, running
+from tests.tiny_model import make_tiny_model
 
 SCHEMA = {
     "type": "object",
@@ -170,3 +171,22 @@ def test_a_forced_call_wins_over_a_json_response_format(client):
     (call,) = response.choices[0].message.tool_calls
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_a_tokenizer_the_grammar_engine_cannot_take_refuses_grammars_and_keeps_serving(tmp_path):
+    """llguidance refuses some tokenizers (a slow one; more tokens than the model's vocabulary, as here):
+    that escaped the worker's request handling, and the worker died with every stream on it."""
+    from tokenizers import Tokenizer
+
+    model = make_tiny_model(tmp_path / "wide")
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tokenizer.add_tokens([f"<extra_{i}>" for i in range(8)])
+    tokenizer.save(str(model / "tokenizer.json"))
+    with running(["serve", "--model", str(model), "--served-model-name", MODEL_NAME], tmp_path / "serve.log") as srv:
+        pid = srv.health()["worker"]["pid"]
+        body = {"model": MODEL_NAME, "messages": ASK, "max_tokens": 8, "response_format": {"type": "json_object"}}
+        for _ in range(2):  # refused again, not retried into the same failure
+            refused = srv.http.post("/v1/chat/completions", json=body)
+            assert refused.status_code == 500 and "cannot be held to a grammar" in refused.text, refused.text
+        plain = srv.http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": ASK, "max_tokens": 4})
+        assert plain.status_code == 200 and srv.health()["worker"]["pid"] == pid

@@ -38,6 +38,7 @@ class Grammars:
         self._vocab_size = vocab_size
         self._eos = eos_token_ids
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._unusable: str | None = None  # why llguidance could not take the tokenizer, once it failed
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
 
     def processor(self, grammar: str, generated: list[int]):
@@ -54,9 +55,15 @@ class Grammars:
             self._compiled.move_to_end(grammar)
             return compiled.deep_copy()
         if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos[0] if self._eos else None
-            )
+            if self._unusable is not None:
+                raise GrammarError(self._unusable)
+            try:
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos[0] if self._eos else None
+                )
+            except Exception as e:  # llguidance cannot take it (a slow tokenizer, more tokens than the model has)
+                self._unusable = f"this model's tokenizer cannot be held to a grammar: {e}"
+                raise GrammarError(self._unusable) from None
         matcher = llguidance.LLMatcher(self._tokenizer, grammar)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())

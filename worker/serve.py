@@ -151,6 +151,11 @@ class EngineRunner:
                 self.engine.add(add, tensors)
             except InvalidRequest as e:
                 self.send(Error(add.request_id, str(e)))
+            except Exception as e:  # a request the engine could not take must not take the others' worker down
+                if self.channel is not None:
+                    raise  # but a group's ranks would part ways, as for a step
+                log.exception("could not add request %s", add.request_id)
+                self.send(Error(add.request_id, f"the worker could not take the request: {e}"))
         for piece in step.embeds:
             self.embedded(piece, self._embed(piece))
         if not step.embeds and self.embedder is not None:
