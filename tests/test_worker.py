@@ -14,6 +14,7 @@ from protocol import (
     PROTOCOL_VERSION,
     Abort,
     AddRequest,
+    Embed,
     Error,
     Heartbeat,
     Hello,
@@ -132,6 +133,9 @@ def test_unreadable_message_is_answered_and_survived(gateway, reference, frame):
         (AddRequest("bad-max", [1, 2], Sampling(max_tokens=0)), "max_tokens"),
         (AddRequest("bad-temp", [1, 2], Sampling(max_tokens=4, temperature=-1)), "out of range"),
         (AddRequest("bad-context", [5] * 2048, Sampling(max_tokens=4)), "context"),
+        # The gateway checks an embedding's ids too; past the embedding table, MLX would end the process.
+        (Embed("bad-embed-vocab", [[1, 2], [3, 100_000]]), "outside the vocabulary"),
+        (Embed("bad-embed-empty", [[1, 2], []]), "empty"),
     ],
     ids=lambda x: getattr(x, "request_id", ""),
 )

@@ -284,6 +284,11 @@ class Worker(EngineRunner):
                     self.send(Error(request_id, "this model cannot embed (a vision model)"))
                 case Embed(request_id=request_id, inputs=[]):
                     self.send(Error(request_id, "no inputs to embed"))
+                case Embed(request_id=request_id, inputs=inputs) if not all(
+                        i and min(i) >= 0 and max(i) < self.engine.vocab_size for i in inputs):
+                    # The gateway checks them; an id past the embedding table would end the process (MLX).
+                    self.send(Error(request_id, f"an input is empty or holds a token id outside the vocabulary "
+                                                f"(size {self.engine.vocab_size})"))
                 case Embed(request_id=request_id) if request_id not in aborted:
                     self._embedding.append(EmbeddingJob(message))
                 case Welcome(epoch=epoch) if epoch == self.hello.epoch and not self.welcomed:
@@ -344,9 +349,10 @@ class Worker(EngineRunner):
             for request_id in self.engine.abort_all(failed=True):
                 self.send(Error(request_id, f"engine step failed: {e}"))
             return
-        for request_id, why in self.engine.failed:
-            self.send(Error(request_id, why))
-        self.engine.failed.clear()
+        finally:  # requests whose own image work failed in the step, whether the rest of it went well or not
+            for request_id, why in self.engine.failed:
+                self.send(Error(request_id, why))
+            self.engine.failed.clear()
         if self.channel is not None:
             self.checksum = tokens_checksum(outputs)
         self.memory = memory_stats()
