@@ -454,6 +454,8 @@ class Worker(EngineRunner):
         gateway resumes a request once at most after a loss, and one that
         failed the worker (a group's step fails the group) must not restart
         it without end."""
+        if clean:  # what the gateway sent before it read our Draining has not been read yet: never run
+            self._late += self.receive(0)
         self.handed_back += [m.request_id for m, _ in self._late if isinstance(m, AddRequest)]
         if clean:
             self.handed_back += self.engine.abort_all()
