@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import llguidance
 
 from gateway.errors import APIError
+from gateway.tool_formats import raw_text_value
 
 
 def _validated(grammar: str, param: str) -> str:
@@ -181,8 +182,6 @@ AROUND = {"hermes": ("<tool_call>\n", "\n</tool_call>"), "mistral": ("[TOOL_CALL
 FAMILY_OF_PARSER = {"json_tools": "hermes", "mistral": "mistral", **{name: name for name in [*JSON_BODY, *TAGGED]}}
 
 
-# Keys that make a schema without a `type` say something other than "any text".
-COMPOSITE = ("$ref", "anyOf", "oneOf", "allOf", "const")
 
 
 def _raw_text(pattern: str, close: str, tokens: Mapping[str, int], lazy: dict[tuple[str, str], str]) -> str:
@@ -217,7 +216,7 @@ def _tagged_value(schema: dict | bool, close: str, tokens: Mapping[str, int], de
         # Each value as the parser reads it back: a string raw, anything else as its JSON text.
         values = [value if isinstance(value, str) else json.dumps(value) for value in schema["enum"]]
         return "(" + " | ".join(json.dumps(value) for value in values) + ") " + _text(close, tokens)
-    if schema.get("type") == "string" or ("type" not in schema and not any(k in schema for k in COMPOSITE)):
+    if raw_text_value(schema):
         low, high = schema.get("minLength"), schema.get("maxLength")
         low = low if isinstance(low, int) and low > 0 else 0
         high = high if isinstance(high, int) and high >= low else None

@@ -41,7 +41,7 @@ class ToolFormat:
                     return None
                 arguments = call.get("arguments", {})
                 if isinstance(arguments, dict):
-                    arguments = _enum_values(arguments, tools, call["name"])
+                    arguments = _json_values(arguments, tools, call["name"])
                 # Some parsers read a value as Python (ast.literal_eval): a set, bytes or an infinity
                 # the model wrote is no JSON, and the call stays text.
                 calls.append((call["name"], arguments if isinstance(arguments, str) else
@@ -52,10 +52,23 @@ class ToolFormat:
         return calls or None
 
 
-def _enum_values(arguments: dict, tools: list[dict] | None, name: str) -> dict:
-    """Arguments with each value of an untyped enum as the enum has it: the
-    tag formats' parsers read a value whose schema names no type as text, so
-    `2` of `{"enum": [1, 2, 3]}` came back as "2"."""
+# Keys that make a schema without a `type` say something other than "any text".
+COMPOSITE = ("$ref", "anyOf", "oneOf", "allOf", "const")
+
+
+def raw_text_value(schema: dict) -> bool:
+    """Whether a tag format (Qwen3-Coder's, GLM's, MiniMax's) writes a value of
+    `schema` as raw text between its tags: a string, or anything untyped. The
+    rest (numbers, objects, a type list, an enum's other values, a schema that
+    refers or combines) is JSON text, as forced calls' grammars write it."""
+    return schema.get("type") == "string" or ("type" not in schema and not any(k in schema for k in COMPOSITE))
+
+
+def _json_values(arguments: dict, tools: list[dict] | None, name: str) -> dict:
+    """Arguments with each value that the tool's schema has as JSON read as
+    JSON: the tag formats' parsers read a value whose schema they do not
+    follow as text, so `2` of `{"enum": [1, 2, 3]}` came back as "2", and
+    `5` of Pydantic's Optional[int] (anyOf integer, null) as "5"."""
     tool = next((t for t in tools or () if t.get("function", {}).get("name") == name), None)
     properties = (tool["function"].get("parameters") or {}).get("properties") if tool else None
     if not isinstance(properties, dict):
@@ -63,9 +76,15 @@ def _enum_values(arguments: dict, tools: list[dict] | None, name: str) -> dict:
     typed = {}
     for key, value in arguments.items():
         schema = properties.get(key)
-        if isinstance(value, str) and isinstance(schema, dict) and "type" not in schema \
-                and isinstance(schema.get("enum"), list):
-            value = next((e for e in schema["enum"] if not isinstance(e, str) and json.dumps(e) == value), value)
+        if isinstance(value, str) and isinstance(schema, dict):
+            enum = schema.get("enum")
+            if isinstance(enum, list) and enum:  # its strings raw, its other values as JSON text
+                value = next((e for e in enum if not isinstance(e, str) and json.dumps(e) == value), value)
+            elif not raw_text_value(schema):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    pass  # written as text all the same (a call the grammar did not hold): kept as it came
         typed[key] = value
     return typed
 

@@ -146,6 +146,30 @@ def test_a_tagged_format_holds_an_argument_to_its_enum_and_length(tokenizer, fam
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"v": json.loads(good) if good == "2" else good})]
 
 
+@pytest.mark.parametrize("family", ["qwen3_coder", "glm47", "minimax_m2"])
+def test_a_tagged_formats_json_values_read_back_as_json(tokenizer, family):
+    """Pydantic's Optional[...] (anyOf with null), a $ref to a definition, a const, a type list: the grammar has
+    the model write them as JSON, and Qwen3-Coder's and MiniMax's parsers gave that JSON back as a string
+    ("5", "\"hello\""), in forced calls and free ones alike."""
+    parameters = {"type": "object", "$defs": {"Color": {"enum": ["red", "blue"]}}, "properties": {
+        "q": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+        "c": {"$ref": "#/$defs/Color"},
+        "k": {"const": 7},
+        "t": {"type": ["string", "null"]},
+        "plain": {"type": "string"}}, "required": ["q", "n", "c", "k", "t", "plain"]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    arguments = {"q": "hello", "n": 5, "c": "red", "k": 7, "t": None, "plain": "5"}
+    call_open, arg_open, arg_close, call_close = TAGGED[family]
+    text = call_open.format(name="f") + "".join(
+        arg_open.format(key=key) + (value if key == "plain" else json.dumps(value)) + arg_close
+        for key, value in arguments.items()) + call_close
+    tokens = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
+    assert accepts(tokenizer, answer_grammar([tool], family, tokens), text)
+    _, calls = ToolCallParser(family, [tool], load_tool_format(family)).feed(text, True)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", arguments)]
+
+
 def test_a_schemas_own_guidance_that_is_no_object_is_ignored(tokenizer):
     """It was merged into mlxd's settings as a mapping: a 500 for a string."""
     parameters = {**TOOL["function"]["parameters"], "x-guidance": "whatever"}
