@@ -366,9 +366,10 @@ class HarmonyParser:
             self._pending = self._pending[len(self._pending) - keep:]
             if final:
                 calls += self._end_message(content)
-        elif final:  # not Harmony after all
-            content.append(self._pending)
-            self._pending = ""
+        elif final:
+            if not self._pending.startswith(("<|start|>", "<|channel|>")):  # not Harmony after all
+                content.append(self._pending)
+            self._pending = ""  # else a message's header the reply ended in: no text of its own
         return "".join(reasoning), "".join(content), calls
 
     @property

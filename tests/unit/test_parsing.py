@@ -198,6 +198,14 @@ def test_harmony_call_cut_short_stays_text():
     assert content == '{"city": "Par' and calls == []
 
 
+@pytest.mark.parametrize("piece", [1, 5, 1000])
+def test_harmony_reply_cut_short_in_a_header_leaks_no_markup(piece):
+    """max_tokens inside the next message's header: the header was given as content."""
+    text = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>fin"
+    assert harmony_all(HarmonyParser(None), text, piece)[:3] == ("Think.", "", [])
+    assert harmony_all(HarmonyParser(None), "<|channel|>ana", piece)[:3] == ("", "", [])
+
+
 def test_text_that_is_not_harmony_is_content():
     assert harmony_all(HarmonyParser(WEATHER), "plain words", 3)[:3] == ("", "plain words", [])
 
