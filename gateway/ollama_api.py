@@ -42,6 +42,7 @@ from gateway.ollama_schema import (
     ShowRequest,
     ToolCall,
     ToolCallFunction,
+    ToolDefinition,
 )
 from gateway.output_processor import Delta, RequestGroup
 from gateway.parsing import ToolCall as ParsedCall
@@ -50,6 +51,7 @@ from gateway.plan import (
     ChatInput,
     Plan,
     SamplingParams,
+    function_tool,
     keep_alive_seconds,
     nonempty_stops,
     reasoning_switches,
@@ -177,12 +179,14 @@ def chat_input(messages: list[Message], think: bool | str | None, param: str = "
 
 
 def plan(model: str, prompt: ChatInput | str, options: Options | None, fmt: str | dict | None,
-         tools: list[dict] | None, stream: bool, keep_alive: str | float | None, param: str,
+         tools: list[ToolDefinition] | None, stream: bool, keep_alive: str | float | None, param: str,
          think: bool | str | None) -> Plan:
     params, stops, max_tokens = sampling(options)
     json_output, schema = output_format(fmt)
+    functions = [function_tool(t.function.name, t.function.description, t.function.parameters or {"type": "object"})
+                 for t in tools or []]
     return Plan(model=model, prompt=prompt, sampling=params, stops=stops, stream=stream, max_tokens=max_tokens,
-                max_tokens_param="options.num_predict", tools=tool_definitions(tools or [], "auto"),
+                max_tokens_param="options.num_predict", tools=tool_definitions(functions, "auto"),
                 json_output=json_output, json_schema=schema, messages_param=param,
                 keep_alive_s=keep_alive_seconds(keep_alive),
                 # Ollama refuses it for a model that does not think, and clients retry without it.

@@ -8,7 +8,7 @@ values of known fields are checked.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -52,10 +52,21 @@ class Message(msgspec.Struct):
     tool_name: str | None = None  # on a "tool" message: the tool whose result it is
 
 
+class FunctionDefinition(msgspec.Struct):
+    name: Annotated[str, Meta(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDefinition(msgspec.Struct):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
 class ChatRequest(msgspec.Struct):
     model: Annotated[str, Meta(min_length=1)]
     messages: list[Message] = []
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = None
     format: str | dict[str, Any] | None = None  # "json", or a JSON schema
     options: Options | None = None
     stream: bool = True

@@ -218,6 +218,11 @@ def test_a_pinned_model_outlasts_a_clients_unload(tiny_model, tmp_path):
     ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"top_k": 2**64}}, 400, "top_k"),
     ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"stop": ["x"] * 17}}, 400, "stop"),
     ("/api/show", {"model": "nope"}, 404, "does not exist"),
+    # A tool in another API's flat shape, or nameless: a 500 from deep inside the grammar or the parser.
+    ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "format": "json",
+                   "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, 400, "tools[0]"),
+    ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "tools": [{"function": {"name": ""}}]}, 400,
+     "tools[0].function.name"),
 ])
 def test_bad_input_gets_ollamas_error_shape(server, path, body, status, words):
     response = server.http.post(path, json=body)
