@@ -267,6 +267,7 @@ class MessageOutput:
             self._held += delta.text
         for call in delta.tool_calls:
             self._calls += 1
+            self._held = ""  # whitespace before a call opens no text block, as in the whole message
             out += blocks.tool_use(call)
         if delta.finish_reason is not None:
             self._finish = (delta.finish_reason, delta.stop_string)

@@ -32,6 +32,13 @@ def test_whitespace_between_a_call_and_nothing_else_is_dropped():
                                       if e["type"] == "content_block_start"] == ["tool_use"]
 
 
+def test_whitespace_before_a_call_does_not_lead_the_text_after_it():
+    """As in the message whole: held whitespace, then a call, then text; the streamed text began "\n\n"."""
+    stream = events(Delta("\n\n"), Delta("", tool_calls=[ToolCall("f", '{"a": 1}')]), Delta("after"),
+                    Delta("", finish_reason="tool_calls"))
+    assert text_of(stream) == "after"
+
+
 def test_tool_arguments_that_are_not_an_object_stream_as_an_empty_one():
     """Clients parse the input_json pieces of a block, put together, as the
     tool's input object; the message whole says {} for such arguments."""
