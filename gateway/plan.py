@@ -210,7 +210,7 @@ def template_tool_call(call_id: str, name: str, arguments: str | dict) -> dict:
     """A call an assistant message made, with its arguments as an object (as
     templates expect) where the JSON text is one."""
     if isinstance(arguments, str):
-        parsed = arguments_object(arguments)
+        parsed = arguments_object(arguments or "{}")  # "": a call of no arguments, as some clients send it back
         arguments = arguments if parsed is None else parsed
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 

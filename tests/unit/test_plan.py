@@ -74,6 +74,8 @@ def test_an_unconstrained_plan_has_no_grammar_and_names_its_prompt_parameter():
 def test_tool_call_arguments_become_an_object_when_they_are_one():
     assert template_tool_call("c1", "f", '{"x": 1}')["function"]["arguments"] == {"x": 1}
     assert template_tool_call("c1", "f", "not json")["function"]["arguments"] == "not json"
+    # A call of no arguments sent back as "": templates that iterate the arguments (Qwen3-Coder's) refused it.
+    assert template_tool_call("c1", "f", "")["function"]["arguments"] == {}
     assert template_tool_call("c1", "f", "[1, 2]")["function"]["arguments"] == "[1, 2]"
     assert template_tool_call("c1", "f", {"x": 1})["function"]["arguments"] == {"x": 1}
 
