@@ -165,13 +165,19 @@ def test_kill_9_mid_stream_then_a_new_worker(split, expected):
     print(f"\nkill -9, then a new worker: the client's longest pause was {reader.longest_pause():.2f}s")
 
 
-def sigterm_mid_stream(s: Split) -> StreamReader:
-    """A stream under way on a first worker, which is then stopped (SIGTERM: it hands the stream back)."""
-    first = s.start_worker("--drain-s", "0.3")
+def stream_on_a_worker(s: Split, *worker_args: str) -> tuple[subprocess.Popen, StreamReader]:
+    """A first worker, and a stream under way on it."""
+    worker = s.start_worker(*worker_args)
     s.gateway.wait_ready()
     reader = StreamReader(s.gateway.url)
     reader.start()
     reader.wait_for_pieces(20)
+    return worker, reader
+
+
+def sigterm_mid_stream(s: Split) -> StreamReader:
+    """A stream under way on a first worker, which is then stopped (SIGTERM: it hands the stream back)."""
+    first, reader = stream_on_a_worker(s, "--drain-s", "0.3")
     os.kill(first.pid, signal.SIGTERM)
     assert first.wait(10) == 0
     return reader
@@ -456,11 +462,7 @@ def test_a_draining_replica_keeps_its_streams_when_another_connects(split, expec
     that connects meanwhile was taken to replace it ("not answering"), and its
     streams moved, each counted as a worker loss."""
     s = split("--worker-timeout-s", "30")
-    first = s.start_worker("--drain-s", "60")
-    s.gateway.wait_ready()
-    reader = StreamReader(s.gateway.url)
-    reader.start()
-    reader.wait_for_pieces(20)
+    first, reader = stream_on_a_worker(s, "--drain-s", "60")
     os.kill(first.pid, signal.SIGTERM)
     wait_for(lambda: [w["state"] for w in s.gateway.health()["workers"]] == ["draining"], 10, "the first to drain")
     os.kill(first.pid, signal.SIGSTOP)  # its stream still under way when the other says Hello
