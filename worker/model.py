@@ -161,7 +161,9 @@ def _load(path: Path, name: str, context_length: int | None, cpu_dequantize: boo
         raise ValueError("a vision model cannot be split across a distributed group (mlx-vlm models do not shard)")
     if sharding is not None:  # mlx-lm shards the model (shard() or pipeline()) and loads this rank's weights
         groups = (sharding.group, None) if sharding.pipeline else (None, sharding.group)
-        model, tokenizer = sharded_load(str(path), *groups)[:2]
+        # Its tokenizer is otherwise loaded with remote code trusted (mlx-lm's default there): an auto_map
+        # in a repo's tokenizer_config would run code from the hub on every Mac of the group.
+        model, tokenizer = sharded_load(str(path), *groups, tokenizer_config={"trust_remote_code": False})[:2]
     elif "vision_config" in config:  # a vision-language model, for mlx-vlm
         model, image_token_id = load_vision_model(path)
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
