@@ -168,6 +168,27 @@ def test_a_header_whose_lengths_run_past_the_file_is_refused_at_once(tmp_path, h
     assert_clear_error(run_mlxd("import-gguf", str(path), str(tmp_path / "out")), "runs past the file's end")
 
 
+@pytest.mark.parametrize("alignment", [0, 3])
+def test_an_alignment_that_is_no_power_of_two_is_refused(tmp_path, alignment):
+    """MLX's own reader divides by it: 0 ended the process (SIGFPE), on every later pull of a kept download too."""
+    path = tmp_path / "aligned.gguf"
+    path.write_bytes(struct.pack("<4sIQQQ17sII", b"GGUF", 3, 0, 1, 17, b"general.alignment", 4, alignment))
+    assert_clear_error(run_mlxd("import-gguf", str(path), str(tmp_path / "out")), "not a power of two")
+
+
+def test_metadata_it_cannot_use_is_refused_clearly(tmp_path):
+    """Arrays nested past Python's stack, or no vocabulary: a traceback (RecursionError, KeyError)."""
+    nested = tmp_path / "nested.gguf"
+    nesting = b"".join(struct.pack("<IQ", 9, 1) for _ in range(2000))  # an array of arrays of ... of one uint8
+    nested.write_bytes(struct.pack("<4sIQQQ7sI", b"GGUF", 3, 0, 1, 7, b"general", 9) + nesting
+                       + struct.pack("<IQB", 0, 1, 0))
+    assert_clear_error(run_mlxd("import-gguf", str(nested), str(tmp_path / "out")), "nests arrays")
+    wordless = tmp_path / "wordless.gguf"
+    mx.save_gguf(str(wordless), {"token_embd.weight": mx.zeros((4, 4))},
+                 {"general.architecture": "llama", "tokenizer.ggml.model": "gpt2"})
+    assert_clear_error(run_mlxd("import-gguf", str(wordless), str(tmp_path / "out")), "cannot be imported")
+
+
 def test_not_a_gguf_is_refused(tmp_path):
     path = tmp_path / "fake.gguf"
     path.write_bytes(b"PK\x03\x04 definitely a zip")

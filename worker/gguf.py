@@ -150,18 +150,20 @@ def read_header(path: Path) -> Header:
                 raise GGUFError(f"{corrupt}: its header runs past the file's end")
             return f.read(length).decode("utf-8", "replace")
 
-        def skip_value(kind: int) -> None:
+        def skip_value(kind: int, depth: int = 0) -> None:
             if kind == 8:
                 skip(take("<Q"))
             elif kind == 9:
                 item, count = take("<I"), take("<Q")
+                if depth > 8:  # arrays of arrays this deep are no model's metadata (and would overflow the stack)
+                    raise GGUFError(f"{corrupt}: its metadata nests arrays more than 8 deep")
                 if item in _VALUE_SIZES:
                     skip(_VALUE_SIZES[item] * count)
                 elif count > size - f.tell():  # every item takes a byte at least
                     raise GGUFError(f"{corrupt}: its header runs past the file's end")
                 else:
                     for _ in range(count):
-                        skip_value(item)
+                        skip_value(item, depth + 1)
             elif kind in _VALUE_SIZES:
                 skip(_VALUE_SIZES[kind])
             else:
@@ -177,7 +179,9 @@ def read_header(path: Path) -> Header:
             if key == "general.architecture" and kind == 8:
                 architecture = text()
             elif key == "general.alignment" and kind == 4:
-                alignment = take("<I") or 32
+                alignment = take("<I")
+                if alignment <= 0 or alignment & (alignment - 1):  # MLX's own reader divides by it (0: SIGFPE)
+                    raise GGUFError(f"{path}: general.alignment is {alignment}, not a power of two")
             else:
                 skip_value(kind)
         types, offsets = {}, {}
@@ -347,11 +351,16 @@ def import_gguf(gguf_path: Path, out_dir: Path, generation_config: dict | None =
     if out_dir.exists() and any(out_dir.iterdir()):
         raise GGUFError(f"{out_dir} exists and is not empty")
     weights, metadata = read_gguf(gguf_path)
-    tokenizer, tokenizer_config = build_tokenizer(metadata)
-    converted, bits = convert_weights(weights)
-    config = model_config(
-        metadata, len(metadata["tokenizer.ggml.tokens"]), bits, tied="lm_head.weight" not in converted
-    )
+    try:
+        tokenizer, tokenizer_config = build_tokenizer(metadata)
+        converted, bits = convert_weights(weights)
+        config = model_config(
+            metadata, len(metadata["tokenizer.ggml.tokens"]), bits, tied="lm_head.weight" not in converted
+        )
+    except GGUFError:
+        raise
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:  # metadata or tensors it cannot use
+        raise GGUFError(f"{gguf_path} cannot be imported: {type(error).__name__}: {error}") from None
     # A chat model's turn may end with its end-of-turn (or Llama 3.1's end-of-message) token rather than
     # its EOS (older Llama 3 GGUFs): generation stops at any, as llama.cpp's does.
     ends = [e for key in ("eos_token_id", "eot_token_id", "eom_token_id")
