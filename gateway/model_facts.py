@@ -74,7 +74,7 @@ def _chat_template(directory: Path) -> str:
         return template
     try:
         return (directory / "chat_template.jinja").read_text()
-    except OSError:
+    except (OSError, ValueError):  # none, or not UTF-8 (which the worker refuses at load, with its reason)
         template = _json(directory, "chat_template.json").get("chat_template")
         return template if isinstance(template, str) else ""
 

@@ -16,3 +16,10 @@ def test_the_template_is_found_where_the_model_keeps_it(tmp_path, where):
     (tmp_path / where).write_text(content)
     facts = model_facts(str(tmp_path))
     assert facts.chat_template == template and facts.vision and facts.family == "llava"
+
+
+def test_a_template_file_that_is_not_text_leaves_the_listing_whole(tmp_path):
+    """Not UTF-8: /v1/models, /api/tags and `mlxd list` failed with a 500 or a traceback."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff\xfe{{ messages }}")
+    assert model_facts(str(tmp_path)).chat_template == ""
