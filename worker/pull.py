@@ -123,20 +123,26 @@ def _download(url: str, have: int, version_file: Path) -> tuple[io.BufferedIOBas
     kept = json.loads(version_file.read_text()) if have and version_file.is_file() else {}
     version = kept.get("version") if kept.get("url") == url else None
     response = _get(url, {"Range": f"bytes={have}-", "If-Range": version} if version else {})
-    if not (version and response.status == 206
+    # The part, of the version kept: a server that ignores If-Range sends another version's part all the same.
+    if not (version and response.status == 206 and _version(response) == version
             and response.headers.get("Content-Range", f"bytes {have}-").startswith(f"bytes {have}-")):
         have = 0  # the whole file: the server's is another version, or it cannot send that part
         if response.status == 206:
             response.close()
             response = _get(url, {})
-    etag = response.headers.get("ETag", "")
-    version = etag if etag and not etag.startswith("W/") else response.headers.get("Last-Modified")
+    version = _version(response)
     if version:
         version_file.write_text(json.dumps({"url": url, "version": version}))
     else:
         version_file.unlink(missing_ok=True)
     length = response.headers.get("Content-Length")
     return response, (have + int(length)) if length and length.isdigit() else None, have
+
+
+def _version(response) -> str | None:
+    """The version of the file a response holds: its strong ETag, else its Last-Modified."""
+    etag = response.headers.get("ETag", "")
+    return etag if etag and not etag.startswith("W/") else response.headers.get("Last-Modified")
 
 
 def _get(url: str, headers: dict[str, str]):
