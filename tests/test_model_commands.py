@@ -5,6 +5,7 @@ terminal chat in a pseudo-terminal."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import signal
@@ -124,6 +125,11 @@ def test_pull_of_a_local_file_list_and_rm(gguf, cache, tmp_path):
     assert "resuming" not in pulled.stderr and list(downloads.iterdir()) == []
     again = mlxd("pull", str(gguf), "--name", "mine", env=cache)
     assert "already in the cache" in again.stderr
+    # Two pulls of one name wrote the same partial file at once (one truncating what the other wrote).
+    with open(downloads / "other.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        busy = mlxd("pull", str(gguf), "--name", "other", env=cache)
+    assert busy.returncode == 1 and "another pull of other is under way" in busy.stderr, busy.stderr
 
     listed = mlxd("list", env=cache)
     assert listed.returncode == 0

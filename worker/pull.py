@@ -13,6 +13,7 @@ URL, starts over rather than splice two versions together.
 
 from __future__ import annotations
 
+import fcntl
 import http.client
 import io
 import json
@@ -59,6 +60,20 @@ def pull(source: str, name: str | None = None) -> tuple[Path, str]:
         return model, name
     downloads = cache_dir() / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
+    lock_path = downloads / f"{name}.lock"
+    with open(lock_path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # let go when the process ends, however it ends
+        except BlockingIOError:
+            raise PullError(f"another pull of {name} is under way; wait for it (it writes the same files)") from None
+        try:
+            return _pull_gguf(source, name, remote, downloads, model)
+        finally:
+            lock_path.unlink(missing_ok=True)  # still held: a pull that opened it meanwhile is refused all the same
+
+
+def _pull_gguf(source: str, name: str, remote: bool, downloads: Path, model: Path) -> tuple[Path, str]:
+    """Download (or copy) and import a .gguf, holding the name's lock."""
     gguf = downloads / f"{name}.gguf"
     origin = downloads / f"{name}.gguf.from"  # the URL a whole download kept there came from
     if not (remote and gguf.is_file() and origin.is_file() and origin.read_text() == source):
