@@ -367,3 +367,13 @@ def test_a_pull_over_an_older_import_fails_saying_how_to_redo_it(gguf, cache, tm
     pulled = mlxd("pull", str(gguf), env=cache)
     assert pulled.returncode == 1 and "is not an import of this mlxd's" in pulled.stderr
     assert "mlxd rm tinyp" in pulled.stderr and "pulled" not in pulled.stdout
+    # A config.json of another shape, or a version that is no number: the same, not a traceback.
+    for config in ('{"mlxd_gguf_import": "3"}', "[]"):
+        (older / "config.json").write_text(config)
+        pulled = mlxd("pull", str(gguf), env=cache)
+        assert pulled.returncode == 1 and "is not an import of this mlxd's" in pulled.stderr, pulled.stderr
+    # A file named just ".gguf" names no model: the import went into the models directory itself.
+    nameless = tmp_path / ".gguf"
+    nameless.write_bytes(gguf.read_bytes())
+    refused = mlxd("pull", str(nameless), env=cache)
+    assert refused.returncode == 1 and "one path component" in refused.stderr, refused.stderr

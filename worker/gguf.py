@@ -93,9 +93,10 @@ IMPORT_VERSION = 3
 def is_current_import(out_dir: Path) -> bool:
     """An import of a GGUF at `out_dir`, by this mlxd's importer."""
     try:
-        return json.loads((out_dir / "config.json").read_text()).get("mlxd_gguf_import", 0) >= IMPORT_VERSION
-    except (OSError, ValueError):
+        version = json.loads((out_dir / "config.json").read_text()).get("mlxd_gguf_import", 0)
+    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, or JSON but no object
         return False
+    return isinstance(version, int) and version >= IMPORT_VERSION
 
 
 def drop_stale_import(out_dir: Path) -> None:

@@ -47,7 +47,7 @@ def pull(source: str, name: str | None = None) -> tuple[Path, str]:
     if not stem.endswith(".gguf"):
         raise PullError(f"{source!r} is not a .gguf file, a .gguf URL or a Hugging Face repo id (owner/name)")
     name = name or stem.removesuffix(".gguf")
-    if "/" in name or name.startswith("."):
+    if not name or "/" in name or name.startswith("."):
         raise PullError(f"--name {name!r}: a name is one path component")
     model = cache_dir() / "models" / name
     if (model / "config.json").is_file() and not is_current_import(model):
