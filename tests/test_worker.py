@@ -44,6 +44,9 @@ class FakeGateway:
              "--heartbeat-s", "0.05"],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
         )
+        # Steps received while waiting for another message (a request's first token may come before
+        # another's Error, when the worker reads the two in turns of their own).
+        self.steps_passed: list[StepOutput] = []
         self.identity, self.hello = self.receive_until(Hello, timeout=60)
 
     def send(self, message) -> None:
@@ -64,12 +67,17 @@ class FakeGateway:
             identity, message = self.receive(max(deadline - time.monotonic(), 0.01))
             if isinstance(message, kind) and where(message):
                 return identity, message
+            if isinstance(message, StepOutput):  # a running request's tokens, kept for collect()
+                self.steps_passed.append(message)
 
     def collect(self, request_id: str, timeout: float = 30.0) -> tuple[list[int], str]:
         tokens = []
         deadline = time.monotonic() + timeout
         while True:
-            _, message = self.receive_until(StepOutput, max(deadline - time.monotonic(), 0.01))
+            if self.steps_passed:
+                message = self.steps_passed.pop(0)
+            else:
+                _, message = self.receive_until(StepOutput, max(deadline - time.monotonic(), 0.01))
             for output in message.outputs:
                 if output.request_id == request_id:
                     tokens += output.token_ids
