@@ -88,8 +88,11 @@ class StoredResponse:
 
     @functools.cached_property
     def nbytes(self) -> int:
-        """About what it holds in memory: its conversation's text and its images' base64."""
-        return len(msgspec.json.encode(self.messages)) + sum(len(i.data or i.url or "") for i in self.images)
+        """About what it holds in memory: its conversation's text, its images'
+        base64, and the response as GET returns it (its instructions and tools
+        too, which may be most of it: a coding agent's)."""
+        return (len(msgspec.json.encode(self.messages)) + sum(len(i.data or i.url or "") for i in self.images)
+                + len(msgspec.json.encode(self.response)))
 
 
 class ResponseStore:

@@ -112,7 +112,8 @@ class GatewaySettings(LogSettings, kw_only=True):
     ] = 1000
     responses_store_ttl_s: Annotated[float, Meta(gt=0, description="how long a stored response is kept")] = 3600.0
     responses_store_bytes: Annotated[
-        int, Meta(ge=0, description="memory the stored responses may hold (their conversations and images)")
+        int, Meta(ge=0, description="memory the stored responses may hold (their conversations, images, "
+                                    "instructions and tools)")
     ] = 256 << 20
     log_prompts: Annotated[bool, Meta(description="log prompts and completions (never logged otherwise)")] = False
     curve_secret_key: Annotated[

@@ -34,3 +34,17 @@ def test_a_client_storing_large_responses_evicts_its_own_by_bytes():
     assert store.get("busy", "resp_busy0") is None
     store.delete("quiet", "resp_quiet0")
     assert store.nbytes == sum(s.nbytes for s in store._responses.values())
+
+
+def test_instructions_and_tools_count_toward_the_bytes():
+    """A coding agent resends long instructions and tool lists every turn: each response kept them, uncounted."""
+    long = stored("agent", 0)
+    long.response.instructions = "Follow the rules. " * 50_000
+    long.response.tools = [{"type": "function", "name": "f", "description": "d" * 100_000, "parameters": {}}]
+    assert long.nbytes > 1_000_000
+    store = ResponseStore(max_count=1000, max_age_s=60, max_bytes=2_500_000)
+    for n in range(5):
+        turn = stored("agent", n)
+        turn.response.instructions = long.response.instructions
+        store.put(turn)
+    assert store.nbytes <= 2_500_000 and len(store._responses) == 2
