@@ -183,8 +183,7 @@ def plan(model: str, prompt: ChatInput | str, options: Options | None, fmt: str 
          think: bool | str | None) -> Plan:
     params, stops, max_tokens = sampling(options)
     json_output, schema = output_format(fmt)
-    functions = [function_tool(t.function.name, t.function.description, t.function.parameters or {"type": "object"})
-                 for t in tools or []]
+    functions = [function_tool(t.function.name, t.function.description, t.function.parameters) for t in tools or []]
     return Plan(model=model, prompt=prompt, sampling=params, stops=stops, stream=stream, max_tokens=max_tokens,
                 max_tokens_param="options.num_predict", tools=tool_definitions(functions, "auto"),
                 json_output=json_output, json_schema=schema, messages_param=param,

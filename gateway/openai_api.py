@@ -117,8 +117,8 @@ def chat_plan(body: ChatCompletionRequest) -> Plan:
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     choice = body.tool_choice or "auto"
-    tools = tool_definitions([function_tool(t.function.name, t.function.description,
-                                            t.function.parameters or {"type": "object"}) for t in body.tools or []],
+    tools = tool_definitions([function_tool(t.function.name, t.function.description, t.function.parameters)
+                              for t in body.tools or []],
                              NamedTool(choice.function.name) if isinstance(choice, NamedToolChoice) else choice)
     spec = body.response_format.json_schema if isinstance(body.response_format, ResponseFormatJSONSchema) else None
     return Plan(

@@ -263,8 +263,7 @@ def responses_plan(body: CreateResponse, previous: StoredResponse | None, offere
         messages = [template_message("system", [{"type": "text", "text": body.instructions}]), *messages]
     choice = body.tool_choice or "auto"
     tools = tool_definitions(
-        [function_tool(t["name"], t.get("description"), t.get("parameters") or {"type": "object"})
-         for t in offered],
+        [function_tool(t["name"], t.get("description"), t.get("parameters")) for t in offered],
         choice if isinstance(choice, str) else NamedTool(choice.name),
     )
     text_format = body.text.format if body.text else None

@@ -201,9 +201,10 @@ def template_message(role: str, content: str | list[dict], tool_calls: list[dict
     return message
 
 
-def function_tool(name: str, description: str | None, parameters: dict) -> dict:
-    """A tool in OpenAI's function shape, which chat templates expect."""
-    return {"type": "function", "function": {"name": name, "description": description or "", "parameters": parameters}}
+def function_tool(name: str, description: str | None, parameters: dict | None) -> dict:
+    """A tool in OpenAI's function shape, which chat templates expect (no parameters: an empty object's)."""
+    return {"type": "function", "function": {"name": name, "description": description or "",
+                                             "parameters": parameters or {"type": "object"}}}
 
 
 def template_tool_call(call_id: str, name: str, arguments: str | dict) -> dict:

@@ -35,21 +35,17 @@ def machine_names() -> set[str]:
     return {name, short, short + ".local"}
 
 
-def is_ip_literal(host: str) -> bool:
+def ip_address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address a host names literally (IPv6 in brackets or not); None for a name."""
     try:
-        ipaddress.ip_address(host.strip("[]"))
+        return ipaddress.ip_address(host.strip("[]"))
     except ValueError:
-        return False
-    return True
+        return None
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+    address = ip_address(host)
+    return host == "localhost" or address is not None and address.is_loopback
 
 
 def keys_required(settings: GatewaySettings) -> bool:
@@ -208,7 +204,7 @@ class Guard:
             name = name.rsplit(":", 1)[0]
         # No page can make an address its own origin; beyond loopback, clients name the server by one.
         return (name in self.allowed_hosts or name.endswith(RESERVED_SUFFIXES)
-                or not self.loopback and is_ip_literal(name))
+                or not self.loopback and ip_address(name) is not None)
 
 
 def keep_alive_for(request: Request, keep_alive_s: float | None) -> float | None:

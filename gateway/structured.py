@@ -182,8 +182,6 @@ AROUND = {"hermes": ("<tool_call>\n", "\n</tool_call>"), "mistral": ("[TOOL_CALL
 FAMILY_OF_PARSER = {"json_tools": "hermes", "mistral": "mistral", **{name: name for name in [*JSON_BODY, *TAGGED]}}
 
 
-
-
 def _raw_text(pattern: str, close: str, tokens: Mapping[str, int], lazy: dict[tuple[str, str], str]) -> str:
     """Text matching `pattern`, then `close`: the text may hold anything but the
     closing tag itself (HTML, `a < b` in a file's contents). A tag that starts
