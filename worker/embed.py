@@ -95,7 +95,9 @@ class Embedder:
         else:
             hidden = self.transformer(mx.array([token_ids]), cache=cache)[0]
             if mode == "mean":
-                pooled = hidden.astype(mx.float32).sum(axis=0) + (opened.pooled if opened is not None else 0)
+                pooled = hidden.astype(mx.float32).sum(axis=0)
+                if opened is not None:
+                    pooled = pooled + opened.pooled
             else:
                 pooled = hidden[0 if mode == "first" else -1].astype(mx.float32)
         tokens = len(token_ids) + (opened.tokens if opened is not None else 0)
