@@ -118,8 +118,11 @@ def sampling(options: Options | None) -> tuple[SamplingParams, list[str], int | 
     if o.num_predict == 0:
         raise APIError(400, "options.num_predict must be positive, -1 (no limit) or -2 (fill the context)",
                        param="options.num_predict")
-    params = SamplingParams(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p,
-                            repetition_penalty=o.repeat_penalty, presence_penalty=o.presence_penalty or 0.0,
+    # Clients that map OpenAI's fields onto these send a frequency_penalty of 0 as a repeat_penalty of 0.
+    repeat_penalty = o.repeat_penalty if o.repeat_penalty is None or o.repeat_penalty > 0 else 1.0
+    params = SamplingParams(temperature=o.temperature, top_p=None if o.top_p is None else min(o.top_p, 1.0),
+                            top_k=o.top_k, min_p=o.min_p,
+                            repetition_penalty=repeat_penalty, presence_penalty=o.presence_penalty or 0.0,
                             # A negative seed is Ollama's (and llama.cpp's) "no seed": a new draw every time.
                             frequency_penalty=o.frequency_penalty or 0.0,
                             seed=o.seed if o.seed is not None and o.seed >= 0 else None)
@@ -192,9 +195,11 @@ def plan(model: str, prompt: ChatInput | str, options: Options | None, fmt: str 
                 thinking_param="think" if think not in (None, False) else None)
 
 
-def calls_of(calls: list[ParsedCall]) -> list[ToolCall] | None:
-    """Tool calls as Ollama writes them: arguments as an object."""
-    return [ToolCall(ToolCallFunction(c.name, arguments_object(c.arguments) or {})) for c in calls] or None
+def calls_of(calls: list[ParsedCall], first: int = 0) -> list[ToolCall] | None:
+    """Tool calls as Ollama writes them: arguments as an object; `first`: the
+    index of the first (the answer's calls written before them)."""
+    return [ToolCall(ToolCallFunction(c.name, arguments_object(c.arguments) or {}, first + i))
+            for i, c in enumerate(calls)] or None
 
 
 def line(chunk: msgspec.Struct | dict) -> bytes:
@@ -214,6 +219,7 @@ class _Output(abc.ABC):
         self.model = model
         self._arrived = arrived
         self._length = False  # ended by its token limit
+        self._calls_sent = 0
 
     def opening(self, group: RequestGroup) -> list[bytes]:
         return []
@@ -222,7 +228,9 @@ class _Output(abc.ABC):
         self._length |= delta.finish_reason == "length"
         if not (delta.text or delta.reasoning or delta.tool_calls):
             return []
-        return [line(self.piece(delta.text, delta.reasoning, calls_of(delta.tool_calls), False))]
+        calls = calls_of(delta.tool_calls, self._calls_sent)
+        self._calls_sent += len(delta.tool_calls)
+        return [line(self.piece(delta.text, delta.reasoning, calls, False))]
 
     def keepalive(self) -> list[bytes]:
         return []  # Ollama's lines are all chunks of the answer, and Ollama sends none between them

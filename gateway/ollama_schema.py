@@ -23,13 +23,13 @@ class Options(msgspec.Struct):
     """The `options` mlxd maps onto its sampling; the others are ignored."""
 
     temperature: Annotated[float, Meta(ge=0)] | None = None
-    top_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    top_p: Annotated[float, Meta(ge=0)] | None = None  # above 1: 1 (off), as Ollama takes it
     top_k: Annotated[int, Meta(le=MAX_INT)] | None = None  # 0 or less: off, as in llama.cpp
     min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
     seed: Seed | None = None
     num_predict: Annotated[int, Meta(ge=-2, le=MAX_INT)] | None = None  # -1: no limit, -2: fill the context
     stop: StopStrings | None = None
-    repeat_penalty: Annotated[float, Meta(gt=0)] | None = None
+    repeat_penalty: float | None = None  # 0 or less: 1 (off), as Ollama takes it
     presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
 
@@ -37,6 +37,9 @@ class Options(msgspec.Struct):
 class ToolCallFunction(msgspec.Struct):
     name: str
     arguments: dict[str, Any] = {}
+    # The call's place among the answer's calls (0, 1, ...): clients that take
+    # streamed calls as OpenAI's deltas merge those of one index into one call.
+    index: int = 0
 
 
 class ToolCall(msgspec.Struct):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import anthropic
+import httpx
 import ollama
 import openai
 import pytest
@@ -388,6 +389,21 @@ def test_ollama_tool_calls_and_thinking(scripted):
     thinking = ollama.Client(host=scripted("reasoning").url).chat(model="scripted", messages=ASK, think=True,
                                                                     options={"temperature": 0})
     assert (thinking.message.content, thinking.message.thinking) == ("Paris.", "The user wants the capital.\n")
+
+
+def test_ollama_numbers_an_answers_tool_calls(scripted):
+    """Each call carries its place among the answer's calls, streamed or not:
+    Open WebUI reads streamed calls as OpenAI's deltas, and merged two calls
+    of index 0 into one with both names and both argument objects."""
+    server = scripted("hermes-two")
+    body = {"model": "scripted", "messages": ASK, "tools": TOOLS, "options": {"temperature": 0}}
+    whole = httpx.post(server.url + "/api/chat", json={**body, "stream": False}, timeout=60).json()
+    assert [(c["function"]["name"], c["function"]["index"]) for c in whole["message"]["tool_calls"]] == [
+        ("get_weather", 0), ("get_time", 1)]
+    with httpx.stream("POST", server.url + "/api/chat", json=body, timeout=60) as r:
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    streamed = [c["function"] for line in lines for c in line["message"].get("tool_calls") or []]
+    assert streamed == [c["function"] for c in whole["message"]["tool_calls"]]
 
 
 def test_ollama_show_says_the_same_of_a_model_loaded_or_not(scripted):
