@@ -18,6 +18,7 @@ import re
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -33,6 +34,8 @@ FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "AVIF")
 # hundred bytes an array of a hundred gigabytes. Qwen's processors refuse 200:1.
 MAX_ASPECT_RATIO = 200
 _DATA_URL = re.compile(r"data:[^,]*;base64,(?P<data>.*)", re.S)  # the media type is not trusted: decoding decides
+# Image URLs fetched at once; more wait their turn (within their timeout).
+FETCH_THREADS = 32
 # In place of an image in a tool's result, whose image chat templates do not take.
 IMAGE_LEFT_OUT = "[an image, left out: this server passes no images in a tool's result to the model]"
 
@@ -58,6 +61,10 @@ class ImageLoader:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.allowed_hosts = {h.lower() for h in settings.allow_image_hosts}
+        # Threads of their own: a host that never answers holds a fetch's thread
+        # past its timeout (a name lookup has none), and in the event loop's
+        # shared pool that held up every request's tokenizing and decoding.
+        self._fetchers = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="mlxd-image-fetch")
 
     async def load(self, sources: list[ImageSource]) -> list[Image.Image]:
         """The request's images, decoded; a 400 or 413 naming the first that
@@ -125,7 +132,8 @@ class ImageLoader:
                            code="image_host_not_allowed")
         timeout = self.settings.image_fetch_timeout_s
         try:
-            return await asyncio.wait_for(asyncio.to_thread(self._download, url, timeout, param), timeout)
+            fetch = asyncio.get_running_loop().run_in_executor(self._fetchers, self._download, url, timeout, param)
+            return await asyncio.wait_for(fetch, timeout)
         except TimeoutError:
             raise APIError(400, f"the image at {url} did not arrive within {timeout:g}s", param=param,
                            code="image_fetch_failed") from None

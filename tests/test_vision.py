@@ -22,6 +22,7 @@ import openai
 import pytest
 from PIL import Image
 
+from gateway.images import FETCH_THREADS
 from tests.conftest import running, wait_for
 from tests.tiny_vision_model import FAMILIES, IMAGE_SIZE, make_tiny_vision_model
 
@@ -68,13 +69,35 @@ def vision_reference(vision_model):
     return VisionReference(vision_model)
 
 
+class SlowHost:
+    """What the image host's /slow holds: each request answers 404 once `release` is set."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.waiting = 0
+        self._lock = threading.Lock()
+
+    def hold(self) -> None:
+        with self._lock:
+            self.waiting += 1
+        self.release.wait(60)
+
+
+SLOW = SlowHost()
+
+
 @pytest.fixture(scope="module")
 def image_host():
-    """A local HTTP server with one PNG (and a redirect to it), for --allow-image-hosts."""
+    """A local HTTP server with one PNG (and a redirect to it), for
+    --allow-image-hosts; /slow answers only once SLOW.release is set."""
     png = encoded(image(7))
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
+            if self.path.startswith("/slow"):
+                SLOW.hold()
+                self.send_error(404)
+                return
             if self.path == "/redirect":
                 self.send_response(302)
                 self.send_header("Location", "/cat.png")
@@ -170,6 +193,34 @@ def test_allowed_host_is_fetched_and_others_are_not(client, vision_reference, im
     for url in (f"http://user:pass@{image_host}/cat.png", f"http://evil.example@{image_host}/cat.png"):
         with pytest.raises(openai.BadRequestError, match="credentials"):
             chat(client, openai_messages(url))
+
+
+def test_image_hosts_that_never_answer_hold_up_no_other_request(vision_model, vision_server, image_host):
+    """More image URLs waiting on a host that does not answer than the event
+    loop's thread pool has threads: their fetches wait in threads of their
+    own, and a long text prompt (tokenized in that pool) is answered
+    meanwhile. It waited for the fetches' timeout."""
+    if vision_model.name != FAMILIES[0]:
+        pytest.skip("fetching images is the gateway's: the same for every family")
+    fetches = min(min(32, (os.cpu_count() or 1) + 4) + 1, FETCH_THREADS)  # asyncio's default executor, one more
+    content = [{"type": "image_url", "image_url": {"url": f"http://{image_host}/slow"}}] * 3
+    slow_body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+    long_body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "the " * 1100}]}
+    SLOW.release.clear()
+    SLOW.waiting = 0
+    with ThreadPoolExecutor(fetches // 3 + 1) as pool:
+        try:
+            slow = [pool.submit(vision_server.http.post, "/v1/chat/completions", json=slow_body)
+                    for _ in range(fetches // 3 + 1)]
+            wait_for(lambda: SLOW.waiting >= fetches, 10, lambda: f"{fetches} fetches waiting ({SLOW.waiting})")
+            started = time.monotonic()
+            answered = vision_server.http.post("/v1/chat/completions", json=long_body, timeout=30)
+            took = time.monotonic() - started
+        finally:
+            SLOW.release.set()
+        assert answered.status_code == 200, answered.text
+        assert took < 5, f"a text request waited {took:.1f}s behind image fetches"
+        assert all(f.result().status_code == 400 for f in slow)
 
 
 def test_mixed_batch_keeps_each_request_its_own_sampling(client, vision_server, vision_reference):
