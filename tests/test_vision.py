@@ -418,3 +418,27 @@ def test_ollama_image_answer_equals_mlx_vlm(vision_server, vision_reference):
     answer = client.chat(model=MODEL, messages=[message], options={"temperature": 0, "num_predict": 12})
     assert answer.message.content == expected.text
     assert "vision" in client.show(MODEL).capabilities
+
+
+def test_ministral3_scales_each_requests_attention_by_its_own_position(tmp_path):
+    """Ministral 3's text model scales its queries by how far past its
+    original context a position lies (Llama 4's scaling). mlx-vlm's takes the
+    batch's first row's position for every row: batched, a request was
+    scaled by another's position. Each must answer as it does alone."""
+    model = make_tiny_vision_model(tmp_path / "ministral3", family="mistral3", ministral3=True)
+    prompts = ["Hi.", "Count the waves. " * 6, "Tell me about the lighthouse keeper and the sea. " * 4, "Go on."]
+    with running(["serve", "--model", str(model), "--served-model-name", MODEL], tmp_path / "serve.log") as server:
+        def ask(prompt: str) -> str:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 24,
+                    "temperature": 0, "ignore_eos": True}
+            return server.http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+
+        alone = [ask(p) for p in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(ask, prompts))
+    from tests.reference import VisionReference
+
+    reference = VisionReference(model)
+    assert alone == [reference.greedy([{"role": "user", "content": p}], [], 24, ignore_eos=True).text
+                     for p in prompts]
+    assert together == alone

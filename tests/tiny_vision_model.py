@@ -95,11 +95,15 @@ QWEN2_VL_SIZES = {
 
 
 def make_tiny_vision_model(path: Path, *, family: str = "llava", seed: int = 0, logit_scale: float = 8.0,
-                           qwen2_vl_size: str | None = None) -> Path:
+                           qwen2_vl_size: str | None = None, ministral3: bool = False) -> Path:
     """Write a loadable mlx-vlm directory of `family` at `path` and return it;
-    with `qwen2_vl_size` (family qwen2_vl only), one of QWEN2_VL_SIZES instead."""
+    with `qwen2_vl_size` (family qwen2_vl only), one of QWEN2_VL_SIZES instead;
+    with `ministral3` (family mistral3 only), Ministral 3's text model, whose
+    attention scaling grows from the 8th position on."""
     if qwen2_vl_size and family != "qwen2_vl":
         raise ValueError("only the qwen2_vl family comes in other sizes here")
+    if ministral3 and family != "mistral3":
+        raise ValueError("only the mistral3 family has a ministral3 text model")
     path.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in IMAGE_TOKENS[family]])
@@ -118,7 +122,10 @@ def make_tiny_vision_model(path: Path, *, family: str = "llava", seed: int = 0, 
     build = {"llava": _llava, "idefics3": _idefics3, "smolvlm": _idefics3, "gemma3": _gemma3,
              "mistral3": _mistral3}.get(family, _qwen_vl)
     size = QWEN2_VL_SIZES[qwen2_vl_size] if qwen2_vl_size else None
-    config, model = _qwen_vl(path, tok, family, seed, size) if size else build(path, tok, family, seed)
+    if size:
+        config, model = _qwen_vl(path, tok, family, seed, size)
+    else:
+        config, model = _mistral3(path, tok, family, seed, ministral3) if ministral3 else build(path, tok, family, seed)
     (path / "config.json").write_text(json.dumps(config))
     # Sharpened logits keep greedy choices far apart (see make_tiny_model).
     lm = model.language_model
@@ -297,7 +304,7 @@ def _gemma3(path: Path, tok, family: str, seed: int):
     return config, model
 
 
-def _mistral3(path: Path, tok, family: str, seed: int):
+def _mistral3(path: Path, tok, family: str, seed: int, ministral3: bool = False):
     from mlx_vlm.models import mistral3
 
     # Pixtral's processor keeps an image's aspect within a longest edge of 112
@@ -317,6 +324,10 @@ def _mistral3(path: Path, tok, family: str, seed: int):
     }))
     text = {"model_type": "mistral", **TEXT_CONFIG, "head_dim": 16, "rope_theta": 10000.0,
             "vocab_size": tok.get_vocab_size()}
+    if ministral3:  # Llama 4's attention scaling, past a small original context for positions to tell apart
+        text |= {"model_type": "ministral3", "rope_parameters": {
+            "rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.5,
+            "original_max_position_embeddings": 8}}
     vision = {"model_type": "pixtral", "num_hidden_layers": 2, "hidden_size": 32, "head_dim": 16,
               "intermediate_size": 64, "num_attention_heads": 2, "image_size": 112, "patch_size": PATCH_SIZE,
               "num_channels": 3}

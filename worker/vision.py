@@ -119,6 +119,11 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.lm = vlm.language_model
         self.mrope = mrope
+        scaling = getattr(self.lm.config, "rope_parameters", None) or {}
+        if vlm.config.model_type == "mistral3" and "llama_4_scaling_beta" in scaling:
+            for layer in self.layers:
+                layer.self_attn = RowScaledAttention(layer.self_attn, scaling["llama_4_scaling_beta"],
+                                                     scaling["original_max_position_embeddings"])
 
     @property
     def layers(self):
@@ -134,6 +139,28 @@ class LanguageModel(nn.Module):
             kwargs["position_ids"] = text_positions(cache[0].offset, *inputs.shape)
         out = self.lm(inputs, cache=cache, **kwargs)
         return getattr(out, "logits", out)
+
+
+class RowScaledAttention(nn.Module):
+    """An attention layer of Mistral 3's Ministral 3 or Mistral 4 text model,
+    which scales its queries by 1 + beta * log(1 + floor(position / original
+    context)) (Llama 4's scaling). mlx-vlm works the position out once a pass,
+    from the batch's first row, and hands every layer that scale: in mlx-lm's
+    batch another request's position scaled each row. Here each row's own,
+    from its cache (positions before a row's start, its left padding, as 0)."""
+
+    def __init__(self, attention: nn.Module, beta: float, original_context: int) -> None:
+        super().__init__()
+        self.attention = attention
+        self.beta = beta
+        self.original_context = original_context
+
+    def __call__(self, x: mx.array, attn_scale: mx.array, mask=None, cache=None) -> mx.array:
+        offset = cache.offset if cache is not None else 0
+        starts = mx.array(offset).reshape(-1, 1)  # one row per request (one for a cache of one)
+        positions = mx.maximum(starts + mx.arange(x.shape[1]), 0)
+        scale = 1 + self.beta * mx.log1p(mx.floor(positions / self.original_context))
+        return self.attention(x, scale[:, None, :, None].astype(x.dtype), mask, cache)
 
 
 class FeatureCache:
