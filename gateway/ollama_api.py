@@ -178,7 +178,7 @@ def chat_input(messages: list[Message], think: bool | str | None, param: str = "
                 unanswered.remove(answered)
                 extra["tool_call_id"] = answered["id"]
         out.append(template_message(m.role, content, calls, m.thinking or "", **extra))
-    return ChatInput(out, images, thinking(think))
+    return ChatInput(out, images, thinking(think), fit_context=True)
 
 
 def plan(model: str, prompt: ChatInput | str, options: Options | None, fmt: str | dict | None,

@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, Protocol, TypeVar, cast
 
 from starlette.requests import Request
@@ -287,8 +288,15 @@ class Serving:
         decoded = await self.images.load(source.images) if source.images else None
         # Images are processed in a thread, however small the body that named them.
         size = request.scope["state"]["body_bytes"] if decoded is None else math.inf
-        return await tokenize(size, worker.tokenizer.chat_prompt, source.messages, plan.tools,
-                              source.template_kwargs, decoded, source.continue_final, param=plan.prompt_param)
+
+        async def render(messages: list[dict], images: list | None) -> Prompt:
+            return await tokenize(size, worker.tokenizer.chat_prompt, messages, plan.tools, source.template_kwargs,
+                                  images, source.continue_final, param=plan.prompt_param)
+
+        prompt = await render(source.messages, decoded)
+        if not source.fit_context or len(prompt.token_ids) < worker.hello.context_length:
+            return prompt
+        return await fitted(source.messages, decoded, worker.hello.context_length, render) or prompt
 
     async def respond(self, request: Request, plan: Plan, renderer: Renderer) -> Response:
         """Serve one API request: SSE events or one body, written by the renderer."""
@@ -460,6 +468,37 @@ async def tokenize(size: float, fn: Callable[..., T], *args: Any, param: str = "
         return await asyncio.to_thread(fn, *args)
     except PromptError as e:
         raise APIError(400, str(e), param=param) from None
+
+
+async def fitted(messages: list[dict], images: list | None, context: int,
+                 render: Callable[[list[dict], list | None], Awaitable[Prompt]]) -> Prompt | None:
+    """The conversation with the fewest of its oldest turns left out that fits
+    `context` with a token to spare, found by bisection: system messages
+    stay, and what is kept of the rest starts at a user message, as templates
+    want. None if even the last turn does not fit."""
+    first = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    starts = [i for i, m in enumerate(messages) if i > first and m["role"] == "user"]
+    # Which of the images (one per image part, in order) each message holds.
+    bounds = list(accumulate((sum(isinstance(p, dict) and p.get("type") == "image" for p in m["content"])
+                              if isinstance(m["content"], list) else 0 for m in messages), initial=0))
+
+    async def keeping(start: int) -> Prompt:
+        kept = [i for i, m in enumerate(messages) if i >= start or m["role"] == "system"]
+        picked = [image for i in kept for image in (images or [])[bounds[i]:bounds[i + 1]]]
+        return await render([messages[i] for i in kept], picked or None)
+
+    best: Prompt | None = None
+    low, high = 0, len(starts) - 1
+    while low <= high:
+        middle = (low + high) // 2
+        prompt = await keeping(starts[middle])
+        if len(prompt.token_ids) < context:
+            best, high = prompt, middle - 1
+        else:
+            low = middle + 1
+    if best is not None:
+        log.info("left out the oldest turns of a conversation to fit the context of %d tokens", context)
+    return best
 
 
 def forced_call_format(worker: WorkerState) -> str | None:

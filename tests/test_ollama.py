@@ -42,6 +42,28 @@ def test_chat_equals_mlx_lm_and_the_openai_endpoint(client, server, reference):
     assert answer.total_duration >= answer.prompt_eval_duration > 0
 
 
+def test_a_chat_longer_than_the_context_loses_its_oldest_turns(client, server, reference):
+    """As Ollama does (Open WebUI's long chats go on): the system message
+    stays, the oldest turns go, what is kept starts at a user message; the
+    OpenAI endpoint still answers such a conversation with a 400."""
+    turn = "The keeper counted the ships that passed the rocks, one by one, night after night. " * 4
+    history = [MESSAGES[0]]
+    for i in range(30):
+        history += [{"role": "user", "content": f"{i}: {turn}"}, {"role": "assistant", "content": turn}]
+    history.append({"role": "user", "content": "And then?"})
+    context = 2048
+    assert len(reference.chat_prompt(history)) >= context
+    kept = next([MESSAGES[0], *history[start:]] for start in range(1, len(history), 2)
+                if len(reference.chat_prompt([MESSAGES[0], *history[start:]])) < context)
+    expected = reference.greedy(reference.chat_prompt(kept), GREEDY["num_predict"])
+    answer = client.chat(model=MODEL_NAME, messages=history, options=GREEDY)
+    assert answer.message.content == expected.text
+    assert answer.prompt_eval_count == len(reference.chat_prompt(kept))
+    too_long = server.http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": history,
+                                                               "max_tokens": 4})
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+
+
 def test_streamed_chat_is_the_same_text_in_ndjson_lines(client, server, reference):
     expected = reference.greedy(reference.chat_prompt(MESSAGES), GREEDY["num_predict"]).text
     parts = list(client.chat(model=MODEL_NAME + ":latest", messages=MESSAGES, options=GREEDY, stream=True))

@@ -442,3 +442,34 @@ def test_ministral3_scales_each_requests_attention_by_its_own_position(tmp_path)
     assert alone == [reference.greedy([{"role": "user", "content": p}], [], 24, ignore_eos=True).text
                      for p in prompts]
     assert together == alone
+
+
+def test_ollama_chat_past_the_context_leaves_out_the_old_turns_images(vision_model, vision_server, vision_reference):
+    """The turns left out to fit the context (Ollama's way) take their images
+    with them: the kept turn's image is the one the model sees."""
+    if vision_model.name != FAMILIES[0]:
+        pytest.skip("leaving out turns is the gateway's: the same for every family")
+    old, new = image(70), image(71)
+    filler = "The keeper counted the ships that passed the rocks, one by one, night after night. " * 6
+    turns = [([old], "Look at this first."), ([], filler), ([], filler), ([], filler), ([new], QUESTION)]
+    history, template = [], []
+    for i, (images, text) in enumerate(turns):
+        encoded_images = [base64.b64encode(encoded(img)).decode() for img in images]
+        history += [{"role": "user", "content": text, "images": encoded_images}]
+        template += [{"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]}]
+        if i < len(turns) - 1:
+            history.append({"role": "assistant", "content": filler})
+            template.append({"role": "assistant", "content": filler})
+
+    def length(start: int) -> int:
+        kept_images = [img for images, _ in turns[start // 2:] for img in images]
+        return vision_reference.inputs(template[start:], kept_images)["input_ids"].size
+
+    assert length(0) >= 2048
+    start = next(s for s in range(2, len(template), 2) if length(s) < 2048)
+    kept_images = [img for images, _ in turns[start // 2:] for img in images]
+    expected = vision_reference.greedy(template[start:], kept_images, 12)
+    answer = ollama.Client(host=vision_server.url).chat(model=MODEL, messages=history,
+                                                        options={"temperature": 0, "num_predict": 12})
+    assert answer.message.content == expected.text
+    assert answer.prompt_eval_count == length(start)
