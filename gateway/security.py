@@ -208,19 +208,19 @@ class Guard:
 
 
 def keep_alive_for(request: Request, keep_alive_s: float | None) -> float | None:
-    """The keep_alive a request may set. A keep_alive that unloads the model
-    (0) or keeps it loaded longer than the server's own --keep-alive (for
-    good, if negative) is an operator's act: with admin keys, a 403 for the
-    API keys; and a shorter one is raised to the server's, since it would
-    unload the model as soon after the request (a millisecond) as 0 would."""
+    """The keep_alive a request may set. With admin keys, unloading a model
+    is an operator's act (keep_alive 0: a 403 for the API keys), and so is
+    keeping it loaded longer than the server's own --keep-alive, or for
+    good: such a keep_alive is taken as the server's, as clients send one
+    with every request (Continue: 30 minutes). A shorter one is raised to the
+    server's too, since it would unload the model as soon after the request
+    (a millisecond) as 0 would."""
     limit = request.scope.get("state", {}).get("keep_alive_limit_s")
     if limit is None or keep_alive_s is None:
         return keep_alive_s
-    if keep_alive_s == 0 or keep_alive_s > limit:
-        raise APIError(403, "on this server, unloading a model (keep_alive 0) or keeping it loaded longer than the "
-                            f"server's own keep-alive ({limit:g} s; a negative keep_alive is for good) takes an admin "
-                            "key: POST /admin/models/{name}/unload or /pin", param="keep_alive",
-                       code="admin_key_required")
+    if keep_alive_s == 0:
+        raise APIError(403, "on this server, unloading a model (keep_alive 0) takes an admin key: "
+                            "POST /admin/models/{name}/unload", param="keep_alive", code="admin_key_required")
     return limit
 
 
