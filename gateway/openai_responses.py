@@ -270,7 +270,8 @@ def responses_plan(body: CreateResponse, previous: StoredResponse | None, offere
     effort = body.reasoning.effort if body.reasoning else None
     return Plan(
         model=body.model,
-        prompt=ChatInput(messages, images, reasoning_switches(effort)),
+        # truncation "auto": the spec's way to drop items from the conversation's start until it fits.
+        prompt=ChatInput(messages, images, reasoning_switches(effort), fit_context=body.truncation == "auto"),
         sampling=SamplingParams(temperature=body.temperature, top_p=body.top_p),
         stops=[],
         stream=bool(body.stream),

@@ -37,6 +37,27 @@ def test_create_matches_mlx_lm(client, reference, validate):
     validate(response.model_dump(mode="json", exclude_unset=True), "Response")
 
 
+def test_truncation_auto_leaves_out_the_oldest_turns(client, reference):
+    """The spec's truncation "auto": items dropped from the conversation's
+    start until it fits; "disabled", the default, is a 400."""
+    turn = "The keeper counted the ships that passed the rocks, one by one, night after night. " * 4
+    items = []
+    for i in range(30):
+        items += [{"role": "user", "content": f"{i}: {turn}"}, {"role": "assistant", "content": turn}]
+    items.append({"role": "user", "content": "And then?"})
+    system = {"role": "system", "content": "Be brief."}
+    assert len(reference.chat_prompt([system, *items])) >= 2048
+    kept = next([system, *items[start:]] for start in range(2, len(items), 2)
+                if len(reference.chat_prompt([system, *items[start:]])) < 2048)
+    expected = reference.greedy(reference.chat_prompt(kept), 8)
+    response = client.responses.create(model=MODEL_NAME, instructions="Be brief.", input=items, temperature=0,
+                                       max_output_tokens=8, truncation="auto")
+    assert response.output_text == expected.text
+    assert response.usage.input_tokens == len(reference.chat_prompt(kept))
+    with pytest.raises(openai.BadRequestError, match="prompt is too long"):
+        client.responses.create(model=MODEL_NAME, instructions="Be brief.", input=items, max_output_tokens=8)
+
+
 def test_stream_matches_mlx_lm_and_every_event_is_in_the_spec(server, reference, validate):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
     expected = reference.greedy(reference.chat_prompt(messages), 8)
