@@ -95,6 +95,7 @@ class RequestState:
         self.cached_tokens = 0  # prompt tokens the worker took from its prefix cache
         self.reasoning_tokens = 0  # generated inside the reasoning block, its markers included
         self._held_tokens = 0  # of the latest steps the parser held back whole (counted once it is known what they are)
+        self._held_logprobs: list[TokenInfo] = []  # theirs: the content's only if they turn out to be text
         self.first_token_at: float | None = None  # time.monotonic() of its first token (Ollama's durations)
         # The weights it runs on (Hello.model_digest): it resumes only on the same.
         self.model_digest = ""
@@ -130,20 +131,23 @@ class RequestState:
             self.status = RequestStatus.STOPPED if stop is not None and not final else RequestStatus.FINISHED
         reasoning = ""
         calls: list[ToolCall] = []
+        # OpenAI's logprobs are the message content's: not the reasoning's, nor a tool call's markup.
+        logprobs = self._token_infos(token_ids, output.logprobs) if output.logprobs else []
         if self._parser is not None:
             thinking = self._parser.reasoning
             reasoning, text, calls = self._parser.feed(text, ended)
             if thinking or self._parser.reasoning:  # the step's tokens opened, continued or closed the block
                 self.reasoning_tokens += len(output.token_ids) + self._held_tokens
-                self._held_tokens = 0
-            elif reasoning or text or calls:
-                self._held_tokens = 0
+                self._held_tokens, self._held_logprobs, logprobs = 0, [], []
+            elif reasoning or text or calls:  # what was held turned out text, or a tool call
+                logprobs = self._held_logprobs + logprobs if text and not (reasoning or calls) else []
+                self._held_tokens, self._held_logprobs = 0, []
             else:  # held back by the parser: perhaps the first tokens of an opening marker
                 self._held_tokens += len(output.token_ids)
+                self._held_logprobs, logprobs = self._held_logprobs + logprobs, []
         finish: str | None = "stop" if stop is not None else output.finish_reason
         if finish == "stop" and self._parser is not None and self._parser.calls:
             finish = "tool_calls"
-        logprobs = self._token_infos(token_ids, output.logprobs) if output.logprobs else []
         return Delta(text, self.index, reasoning, calls, finish, stop, logprobs)
 
     def _token_infos(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> list[TokenInfo]:

@@ -152,6 +152,23 @@ def test_tool_choice_none_leaves_text_alone(scripted):
     assert json.dumps(CALL) in choice.message.content
 
 
+@pytest.mark.parametrize("model", ["reasoning", "hermes-between"])
+def test_logprobs_are_the_contents_alone(scripted, model):
+    """OpenAI's logprobs.content lists the message content's tokens: not the
+    reasoning's, nor a tool call's markup (streamed or not). (The whitespace
+    that parts them from the content's start the parser leaves out.)"""
+    client = openai_client(scripted(model))
+    whole = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, temperature=0, logprobs=True)
+    message = whole.choices[0].message
+    assert message.content and (message.reasoning_content if model == "reasoning" else message.tool_calls)
+    assert "".join(t.token for t in whole.choices[0].logprobs.content).strip() == message.content.strip()
+    chunks = list(client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, temperature=0,
+                                                 logprobs=True, stream=True))
+    streamed_tokens = [t.token for c in chunks if c.choices and c.choices[0].logprobs
+                       for t in c.choices[0].logprobs.content or []]
+    assert "".join(streamed_tokens).strip() == message.content.strip()
+
+
 def test_parallel_tool_calls(scripted):
     client = openai_client(scripted("hermes-two"))
     both = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, temperature=0)
