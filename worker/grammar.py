@@ -59,7 +59,7 @@ class Grammars:
                 raise GrammarError(self._unusable)
             try:
                 self._tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos[0] if self._eos else None
+                    self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos or None
                 )
             except Exception as e:  # llguidance cannot take it (a slow tokenizer, more tokens than the model has)
                 self._unusable = f"this model's tokenizer cannot be held to a grammar: {e}"

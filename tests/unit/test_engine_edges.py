@@ -1,5 +1,6 @@
 """The engine at its edges, in-process on the tiny model: a constrained
-request resumed part-way through its answer, and a step that fails part-way."""
+request resumed part-way through its answer, a finished grammar's end, and a
+step that fails part-way."""
 
 from __future__ import annotations
 
@@ -41,6 +42,19 @@ def answers(engine: Engine, *requests: AddRequest) -> dict[str, list[int]]:
         for output in engine.step():
             out[output.request_id] += output.token_ids
     return out
+
+
+def test_a_finished_grammar_lets_the_model_end_with_any_of_its_end_tokens(loaded):
+    """Qwen 3 and Llama 3 end a turn with the second of their two end tokens
+    (<|im_end|>, <|eot_id|>): only the first was allowed once a grammar was done."""
+    tokenizer = loaded.hf_tokenizer
+    ends = sorted(tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))
+    done = tokenizer.encode("Hi", add_special_tokens=False)
+    processor = Grammars(tokenizer, loaded.vocab_size, ends).processor(llguidance.grammar_from("lark", 'start: "Hi"'),
+                                                                       done)
+    logits = processor(mx.array(done), mx.zeros((1, loaded.vocab_size)))
+    assert mx.isfinite(logits[0]).tolist().count(True) == 2
+    assert [i for i in ends if mx.isfinite(logits[0, i]).item()] == ends
 
 
 def test_a_constrained_request_resumed_part_way_goes_on_where_it_was(loaded):
