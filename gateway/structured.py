@@ -114,13 +114,38 @@ def _definitions(schema: dict) -> dict:
     return {key: schema[key] for key in DEFINITIONS if isinstance(schema.get(key), dict)}
 
 
-def _call_schema(tool: dict, arguments_key: str) -> dict:
+# Keywords whose values are data, not schemas: a "$ref" key inside them is no reference.
+DATA_KEYWORDS = ("const", "enum", "default", "examples")
+
+
+def _rebased(schema, at: str):
+    """`schema` moved to `at` (a JSON pointer, "#/properties/arguments") inside
+    another: its references to its own root or to places in it other than
+    its definitions (which go to the new root) point there again. Zod writes
+    "#/properties/a" for a type used twice, and "#" for a recursive one."""
+    if isinstance(schema, list):
+        return [_rebased(item, at) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#") and \
+                not value.startswith(tuple(f"#/{d}/" for d in DEFINITIONS)):
+            out[key] = at + value[1:]
+        else:
+            out[key] = value if key in DATA_KEYWORDS else _rebased(value, at)
+    return out
+
+
+def _call_schema(tool: dict, arguments_key: str, at: str = "#") -> dict:
+    """A call of `tool` as one JSON object, the schema at `at` within the grammar's."""
     function = tool["function"]
     parameters = function.get("parameters") or {"type": "object"}
+    arguments = _rebased({k: v for k, v in parameters.items() if k not in DEFINITIONS},
+                         f"{at}/properties/{arguments_key}")
     return {
         "type": "object",
-        "properties": {"name": {"const": function["name"]},
-                       arguments_key: {k: v for k, v in parameters.items() if k not in DEFINITIONS}},
+        "properties": {"name": {"const": function["name"]}, arguments_key: arguments},
         "required": ["name", arguments_key],
         "additionalProperties": False,
         **_definitions(parameters),
@@ -229,6 +254,12 @@ def _tagged_call(tool: dict, family: str, tokens: Mapping[str, int], lazy: dict[
     call_open, arg_open, arg_close, call_close = TAGGED[family]
     function = tool["function"]
     schema = function.get("parameters") or {}
+    reference = schema.get("$ref")
+    if isinstance(reference, str) and reference.startswith(tuple(f"#/{d}/" for d in DEFINITIONS)):
+        # The whole of the parameters a definition (Zod's named schemas): its arguments are the definition's.
+        kind, _, name = reference[2:].partition("/")
+        named = _definitions(schema).get(kind, {}).get(name)
+        schema = {**named, **_definitions(schema)} if isinstance(named, dict) else schema
     # Read leniently, as the JSON formats' grammars read a schema: what is not a list or an object is none.
     required, properties = schema.get("required"), schema.get("properties")
     required = required if isinstance(required, list) else []
@@ -253,7 +284,8 @@ def _call_rule(tool: dict, family: str, tokens: Mapping[str, int], lazy: dict[tu
         header_rule = " ".join(part for part in (_text(before, tokens), "/[0-9]+/" if numbered else "",
                                                  _text(after, tokens)) if part)
         return f"{header_rule} {_arguments(parameters)} {_text(end, tokens)}"
-    schema = _call_schema(tool, "parameters" if family == "llama3" else "arguments")
+    schema = _call_schema(tool, "parameters" if family == "llama3" else "arguments",
+                          "#/items" if family == "mistral" else "#")
     if family == "mistral":
         inner = {k: v for k, v in schema.items() if k not in DEFINITIONS}
         schema = {"type": "array", "items": inner, "minItems": 1, "maxItems": 1, **_definitions(schema)}

@@ -101,6 +101,41 @@ def test_definitions_a_schema_refers_to_stay_within_reach(tokenizer, family):
     assert not accepts(tokenizer, grammar, text.replace("3", '"three"', 1))
 
 
+@pytest.mark.parametrize("family", ["hermes", "mistral", "llama3"])
+def test_references_into_the_parameters_follow_them_into_the_calls_schema(tokenizer, family):
+    """Zod points at a type used twice by its place ("#/properties/city") and
+    at the whole for a recursive one ("#"): moved inside the call's schema,
+    the first was a 400 ("Pointer ... does not exist"), the second pointed at
+    the call itself."""
+    parameters = {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string"}, "home": {"$ref": "#/properties/city"},
+        "stops": {"type": "array", "items": {"$ref": "#"}}}}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+    grammar = answer_grammar([tool], family, {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()})
+    _, text = CALLS[family]
+    good = '{"city": "Rome", "home": "Oslo", "stops": [{"city": "Bern", "stops": []}]}'
+    call = text.replace('{"city": "New York", "days": 3}', good)
+    assert accepts(tokenizer, grammar, call)
+    assert not accepts(tokenizer, grammar, call.replace('"Oslo"', "5"))
+    assert not accepts(tokenizer, grammar, call.replace('{"city": "Bern", "stops": []}',
+                                                        '{"name": "get_weather", "arguments": {"city": "Bern"}}'))
+
+
+@pytest.mark.parametrize("family", ["qwen3_coder", "glm47", "minimax_m2"])
+def test_a_tagged_format_takes_parameters_that_are_a_definition(tokenizer, family):
+    """Zod's named schemas: the parameters a `$ref` to a definition. The
+    grammar read no arguments from it, and a forced call could only be empty."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "$ref": "#/definitions/Weather", "definitions": {"Weather": TOOL["function"]["parameters"]}}}}
+    grammar = answer_grammar([tool], family, {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()})
+    _, text = CALLS[family]
+    assert accepts(tokenizer, grammar, text)
+    empty = {"qwen3_coder": "<tool_call>\n<function=get_weather>\n</function>\n</tool_call>",
+             "glm47": "<tool_call>get_weather</tool_call>",
+             "minimax_m2": '<minimax:tool_call>\n<invoke name="get_weather">\n</invoke>\n</minimax:tool_call>'}
+    assert not accepts(tokenizer, grammar, empty[family])
+
+
 @pytest.mark.parametrize("strict", [False, True])
 def test_string_formats_llguidance_does_not_know_are_annotations(tokenizer, strict):
     """Pydantic writes `password`, `binary`, `path`; OpenAPI `byte`: llguidance refused the whole
