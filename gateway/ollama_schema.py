@@ -39,7 +39,7 @@ class ToolCallFunction(msgspec.Struct):
     arguments: dict[str, Any] = {}
     # The call's place among the answer's calls (0, 1, ...): clients that take
     # streamed calls as OpenAI's deltas merge those of one index into one call.
-    index: int = 0
+    index: int | None = 0  # null as Go reads it, should a client send one back
 
 
 class ToolCall(msgspec.Struct):

@@ -139,8 +139,10 @@ class RequestState:
             if thinking or self._parser.reasoning:  # the step's tokens opened, continued or closed the block
                 self.reasoning_tokens += len(output.token_ids) + self._held_tokens
                 self._held_tokens, self._held_logprobs, logprobs = 0, [], []
-            elif reasoning or text or calls:  # what was held turned out text, or a tool call
-                logprobs = self._held_logprobs + logprobs if text and not (reasoning or calls) else []
+            elif reasoning or text or calls:  # what was held turned out text, or markup (a call, a header)
+                held = "".join(info.text for info in self._held_logprobs)
+                logprobs = self._held_logprobs + logprobs if text.startswith(held) and not (reasoning or calls) \
+                    else logprobs if text and not (reasoning or calls) else []
                 self._held_tokens, self._held_logprobs = 0, []
             else:  # held back by the parser: perhaps the first tokens of an opening marker
                 self._held_tokens += len(output.token_ids)

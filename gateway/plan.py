@@ -36,8 +36,8 @@ class ChatInput:
     # The last message is the start of the assistant's answer, which the model
     # continues (Anthropic's prefill): no new turn is opened after it.
     continue_final: bool = False
-    # Ollama's chats: a conversation longer than the context loses its oldest
-    # turns until it fits (system messages stay), as Ollama does, not a 400.
+    # Ollama's chats and Responses' truncation "auto": a conversation longer than
+    # the context loses its oldest turns until it fits (system messages stay), not a 400.
     fit_context: bool = False
 
 

@@ -152,7 +152,7 @@ def test_tool_choice_none_leaves_text_alone(scripted):
     assert json.dumps(CALL) in choice.message.content
 
 
-@pytest.mark.parametrize("model", ["reasoning", "hermes-between"])
+@pytest.mark.parametrize("model", ["reasoning", "hermes-between", "reasoning-harmony"])
 def test_logprobs_are_the_contents_alone(scripted, model):
     """OpenAI's logprobs.content lists the message content's tokens: not the
     reasoning's, nor a tool call's markup (streamed or not). (The whitespace
@@ -160,7 +160,7 @@ def test_logprobs_are_the_contents_alone(scripted, model):
     client = openai_client(scripted(model))
     whole = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, temperature=0, logprobs=True)
     message = whole.choices[0].message
-    assert message.content and (message.reasoning_content if model == "reasoning" else message.tool_calls)
+    assert message.content and (message.tool_calls if model == "hermes-between" else message.reasoning_content)
     assert "".join(t.token for t in whole.choices[0].logprobs.content).strip() == message.content.strip()
     chunks = list(client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, temperature=0,
                                                  logprobs=True, stream=True))

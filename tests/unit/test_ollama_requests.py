@@ -33,3 +33,10 @@ def test_options_out_of_openais_ranges_are_taken_as_ollama_takes_them():
     assert sampling(Options(repeat_penalty=-1.0))[0].repetition_penalty == 1.0
     assert sampling(Options(repeat_penalty=1.2, top_p=0.5))[0].repetition_penalty == 1.2
     assert sampling(Options())[0].repetition_penalty is None  # the model's own default
+
+
+def test_a_tool_calls_index_sent_back_as_null_is_read_as_go_reads_it():
+    call = {"function": {"name": "f", "arguments": {}, "index": None}}
+    body = decode_ollama(json.dumps({"model": "m", "messages": [{"role": "assistant", "content": "",
+                                                                  "tool_calls": [call]}]}).encode(), ChatRequest)
+    assert body.messages[0].tool_calls[0].function.name == "f"
