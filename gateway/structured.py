@@ -71,7 +71,7 @@ def _format_known(name: str) -> bool:
         llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "format": name}))
 
 
-# Keywords whose values are data, not schemas: a "format" key in them is the data's.
+# Keywords whose values are data, not schemas: a "format" or "$ref" key in them is the data's.
 DATA_KEYS = ("const", "enum", "default", "examples")
 # Keywords whose values map names (a property's, a definition's) to schemas.
 NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -114,10 +114,6 @@ def _definitions(schema: dict) -> dict:
     return {key: schema[key] for key in DEFINITIONS if isinstance(schema.get(key), dict)}
 
 
-# Keywords whose values are data, not schemas: a "$ref" key inside them is no reference.
-DATA_KEYWORDS = ("const", "enum", "default", "examples")
-
-
 def _rebased(schema, at: str):
     """`schema` moved to `at` (a JSON pointer, "#/properties/arguments") inside
     another: its references to its own root or to places in it other than
@@ -133,7 +129,7 @@ def _rebased(schema, at: str):
                 not value.startswith(tuple(f"#/{d}/" for d in DEFINITIONS)):
             out[key] = at + value[1:]
         else:
-            out[key] = value if key in DATA_KEYWORDS else _rebased(value, at)
+            out[key] = value if key in DATA_KEYS else _rebased(value, at)
     return out
 
 
