@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import llguidance
@@ -55,20 +55,32 @@ COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator"
 def _compact(schema: dict, strict: bool = False) -> dict:
     """The schema with mlxd's settings for llguidance. Not strict (OpenAI's
     default, and forced tool calls): keywords llguidance does not implement
-    (`uniqueItems`, which Pydantic writes for a set, `not`, `if`) and string
-    formats it does not know are left unenforced. Strict: such a keyword is a
-    400, as OpenAI's strict mode refuses what it cannot guarantee; unknown
-    formats are dropped still (JSON Schema makes them annotations)."""
+    (`uniqueItems`, which Pydantic writes for a set, `not`, `if`), string
+    formats it does not know and patterns its regular expressions cannot
+    hold (look-around, backreferences: a password rule's) are left
+    unenforced. Strict: such a keyword or pattern is a 400, as OpenAI's
+    strict mode refuses what it cannot guarantee; unknown formats are
+    dropped still (JSON Schema makes them annotations)."""
     own = schema.get("x-guidance")
     guidance = {**COMPACT, "lenient": not strict, **(own if isinstance(own, dict) else {})}
-    return {**(_known_formats_only(schema) if strict else schema), "x-guidance": guidance}
+    unenforceable = ("format", _format_known) if strict else ("pattern", _pattern_known)
+    return {**_without(schema, *unenforceable), "x-guidance": guidance}
+
+
+def _known(schema: dict) -> bool:
+    return not llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(schema))
 
 
 @functools.lru_cache(maxsize=256)
 def _format_known(name: str) -> bool:
     """Whether llguidance can hold a string to this JSON Schema format."""
-    return not llguidance.LLMatcher.validate_grammar(
-        llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "format": name}))
+    return _known({"type": "string", "format": name})
+
+
+@functools.lru_cache(maxsize=256)
+def _pattern_known(pattern: str) -> bool:
+    """Whether llguidance's regular expressions can hold a string to this pattern."""
+    return _known({"type": "string", "pattern": pattern})
 
 
 # Keywords whose values are data, not schemas: a "format" or "$ref" key in them is the data's.
@@ -77,20 +89,21 @@ DATA_KEYS = ("const", "enum", "default", "examples")
 NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def _known_formats_only(value, named: bool = False):
-    """The schema without the string formats llguidance does not know. JSON
-    Schema makes `format` an annotation a validator may ignore, and common
-    schemas carry many (Pydantic writes `password`, `binary`, `path`; OpenAPI
-    `byte`, `int64`): llguidance would refuse the whole schema for one.
+def _without(value, keyword: str, known: Callable[[str], bool], named: bool = False):
+    """The schema without the string-valued `keyword`s (`format`, `pattern`)
+    llguidance cannot hold (`known` says which it can). JSON Schema makes
+    `format` an annotation a validator may ignore, and common schemas carry
+    many (Pydantic writes `password`, `binary`, `path`; OpenAPI `byte`,
+    `int64`): llguidance would refuse the whole schema for one.
     named: `value` maps names to schemas (a property called "format" or "enum" is no keyword)."""
     if isinstance(value, dict):
         if named:
-            return {name: _known_formats_only(schema) for name, schema in value.items()}
-        return {key: item if key in DATA_KEYS else _known_formats_only(item, key in NAMED_SCHEMAS)
+            return {name: _without(schema, keyword, known) for name, schema in value.items()}
+        return {key: item if key in DATA_KEYS else _without(item, keyword, known, key in NAMED_SCHEMAS)
                 for key, item in value.items()
-                if not (key == "format" and isinstance(item, str) and not _format_known(item))}
+                if not (key == keyword and isinstance(item, str) and not known(item))}
     if isinstance(value, list):
-        return [_known_formats_only(item) for item in value]
+        return [_without(item, keyword, known) for item in value]
     return value
 
 

@@ -157,6 +157,20 @@ def test_string_formats_llguidance_does_not_know_are_annotations(tokenizer, stri
     assert answer_grammar([tool], "hermes")
 
 
+def test_a_pattern_llguidance_cannot_hold_is_left_unenforced_unless_strict(tokenizer):
+    """A password rule's look-ahead: a 400 for the whole schema, where a
+    schema that is not strict leaves what the grammar cannot hold unenforced;
+    the patterns it can hold still hold. Strict: a 400, as OpenAI refuses."""
+    schema = {"type": "object", "required": ["secret", "code"], "additionalProperties": False, "properties": {
+        "secret": {"type": "string", "pattern": "^(?=.*[A-Z]).{8,}$"},
+        "code": {"type": "string", "pattern": "^[A-Z]{3}$"}}}
+    grammar = json_schema_grammar(schema)
+    assert accepts(tokenizer, grammar, '{"secret": "lowercase", "code": "ABC"}')
+    assert not accepts(tokenizer, grammar, '{"secret": "lowercase", "code": "abc"}')
+    with pytest.raises(APIError, match="look-around"):
+        json_schema_grammar(schema, strict=True)
+
+
 @pytest.mark.parametrize("family", ["qwen3_coder", "glm47", "minimax_m2"])
 @pytest.mark.parametrize("value, good, bad", [
     ({"enum": [1, 2, 3]}, "2", "banana"),
