@@ -87,13 +87,14 @@ def stop_reason(finish_reason: str | None, stop_string: str | None, calls: int,
                 context_bound: bool = False) -> tuple[str, str | None]:
     """The message's stop_reason, and its stop_sequence (only with stop_reason "stop_sequence").
     context_bound: the context had less room than max_tokens asked for (the generation's limit was its
-    room), so a length stop is the context window's, not max_tokens' (Claude Code asks for 128,000)."""
+    room), so a length stop is the context window's, not max_tokens' (Claude Code asks for 128,000). A message
+    cut short says so even after a whole call: the next call may be what was cut."""
+    if finish_reason == "length":
+        return "model_context_window_exceeded" if context_bound else "max_tokens", None
     if calls:
         return "tool_use", None
     if stop_string is not None:
         return "stop_sequence", stop_string
-    if finish_reason == "length":
-        return "model_context_window_exceeded" if context_bound else "max_tokens", None
     return "end_turn", None
 
 

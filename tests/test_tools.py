@@ -287,6 +287,18 @@ def test_chat_template_kwargs_pass_through(scripted):
     assert response.choices[0].message.content == "Paris."
 
 
+def test_anthropic_says_a_message_cut_short_after_a_whole_call_was_cut(scripted):
+    """Two calls, the second cut by max_tokens: max_tokens, as Anthropic answers
+    (it said tool_use, and the client ran the first never knowing of the second)."""
+    client = anthropic.Anthropic(base_url=scripted("hermes-two").url, api_key="unused", max_retries=0)
+    message = client.messages.create(model="scripted", max_tokens=5, messages=ASK, tools=ANTHROPIC_TOOLS)
+    assert [b.type for b in message.content][0] == "tool_use" and message.stop_reason == "max_tokens"
+    with client.messages.stream(model="scripted", max_tokens=5, messages=ASK, tools=ANTHROPIC_TOOLS) as stream:
+        assert stream.get_final_message().stop_reason == "max_tokens"
+    assert client.messages.create(model="scripted", max_tokens=64, messages=ASK,
+                                  tools=ANTHROPIC_TOOLS).stop_reason == "tool_use"
+
+
 def test_anthropic_tool_use(scripted):
     client = anthropic.Anthropic(base_url=scripted("hermes").url, api_key="unused", max_retries=0)
     message = client.messages.create(model="scripted", max_tokens=32, messages=ASK, tools=ANTHROPIC_TOOLS)
