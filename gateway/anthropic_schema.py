@@ -106,9 +106,20 @@ class ToolUseBlock(msgspec.Struct, tag_field="type", tag="tool_use", forbid_unkn
     toolset_name: str | None = None  # ignored
 
 
+class ToolReferenceBlock(msgspec.Struct, tag_field="type", tag="tool_reference", forbid_unknown_fields=True):
+    """A tool search's result (Claude Code's, for tools it defers): the tool it
+    found. The model here sees every tool up front, so the name is all it adds."""
+
+    tool_name: str
+    cache_control: CacheControl | None = None
+
+    def text(self) -> str:
+        return f"tool found: {self.tool_name}"
+
+
 class ToolResultBlock(msgspec.Struct, tag_field="type", tag="tool_result", forbid_unknown_fields=True):
     tool_use_id: str
-    content: str | list[TextBlock | ImageBlock | DocumentBlock | SearchResultBlock] | None = None
+    content: str | list[TextBlock | ImageBlock | DocumentBlock | SearchResultBlock | ToolReferenceBlock] | None = None
     is_error: bool = False
     cache_control: CacheControl | None = None
     toolset_name: str | None = None  # ignored

@@ -159,7 +159,8 @@ def test_system_blocks_and_failed_tool_results_reach_the_model(client, reference
 
 def test_documents_and_search_results_reach_the_model_as_text(client):
     """Claude Code sends the files it reads as document blocks, and they stay in the history: a text
-    document is its text; a PDF, which this server cannot read, is named as left out, not a 400."""
+    document is its text; a PDF, which this server cannot read, is named as left out, not a 400; a
+    tool search's tool_reference is the tool's name."""
     def count(*content: dict, result: list | None = None) -> int:
         messages = [{"role": "user", "content": list(content)}]
         if result is not None:
@@ -179,6 +180,9 @@ def test_documents_and_search_results_reach_the_model_as_text(client):
     found = {"type": "search_result", "source": "https://example.com/sea", "title": "The sea",
              "content": [{"type": "text", "text": "It is wide."}]}
     assert count(result=[found]) == count(result=[{"type": "text", "text": "The sea (https://example.com/sea)\nIt is wide."}])
+    # Claude Code's tool search answers with references to the tools it found (a 400 before).
+    assert count(result=[{"type": "tool_reference", "tool_name": "Read"}]) == count(
+        result=[{"type": "text", "text": "tool found: Read"}])
     answer = client.messages.create(model=MODEL_NAME, max_tokens=4, messages=[{"role": "user", "content": [pdf, ask]}])
     assert answer.content[0].type == "text"
 
