@@ -59,7 +59,7 @@ class EmbeddingsAPI:
             raise APIError(400, "an input is empty" if inputs else "there is no input", param="input")
         lease, worker = await serving.lease(model, keep_alive_seconds(keep_alive), request=request)
         try:
-            token_lists = [await self._tokens(worker, i, truncate) for i in inputs]
+            token_lists = await self._token_lists(worker, inputs, truncate)
             # What a forward pass holds is the KV state of its tokens, as a prefill's; the worker
             # runs the inputs one after another, so the largest is what the request holds at once.
             footprint = worker.hello.kv_footprint
@@ -78,6 +78,8 @@ class EmbeddingsAPI:
         except WorkerUnavailable as e:
             raise unavailable(str(e)) from None
         except WorkerRejected as e:
+            if e.internal:
+                raise APIError(500, str(e), type="server_error") from None
             raise APIError(400, str(e), param="model") from None
         finally:
             lease.release()
@@ -91,24 +93,30 @@ class EmbeddingsAPI:
             vectors = [shortened(vector, dimensions) for vector in vectors]
         return vectors, sum(len(t) for t in token_lists)
 
-    async def _tokens(self, worker: WorkerState, value: str | list[int], truncate: bool) -> list[int]:
-        """One input's token ids, within the model's vocabulary and context (400s; cut to the context
-        with `truncate`)."""
-        context = worker.hello.context_length
-        if isinstance(value, str):
-            tokens = await tokenize(len(value), worker.tokenizer.encode_text, value, context if truncate else None,
-                                    param="input")
-        else:
-            vocab = worker.hello.vocab_size
-            if (bad := next((t for t in value if not 0 <= t < vocab), None)) is not None:
+    async def _token_lists(self, worker: WorkerState, inputs: list[str | list[int]],
+                           truncate: bool) -> list[list[int]]:
+        """Each input's token ids, within the model's vocabulary and context (400s; cut to the context
+        with `truncate`). The texts are tokenized in one call, on the event loop only when they are
+        small all together: two thousand short inputs one after another held it for seconds."""
+        context, vocab = worker.hello.context_length, worker.hello.vocab_size
+        texts = [value for value in inputs if isinstance(value, str)]
+        encoded = iter(await tokenize(sum(map(len, texts)), worker.tokenizer.encode_texts, texts,
+                                      context if truncate else None, param="input") if texts else [])
+        token_lists = []
+        for value in inputs:
+            if isinstance(value, str):
+                tokens = next(encoded)
+            elif (bad := next((t for t in value if not 0 <= t < vocab), None)) is not None:
                 raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="input")
-            tokens = value
-        if truncate:
-            return tokens[:context]
-        if len(tokens) > context:
-            raise APIError(400, f"an input has {len(tokens)} tokens; this model's context is {context}",
-                           param="input", code="context_length_exceeded")
-        return tokens
+            else:
+                tokens = value
+            if truncate:
+                tokens = tokens[:context]
+            elif len(tokens) > context:
+                raise APIError(400, f"an input has {len(tokens)} tokens; this model's context is {context}",
+                               param="input", code="context_length_exceeded")
+            token_lists.append(tokens)
+        return token_lists
 
 
 def shortened(vector: array, dimensions: int) -> array:

@@ -296,8 +296,21 @@ class Tokenizer:
         adds around it (an embedding model's EOS, which it pools on) kept."""
         # As mlx-lm does: add the BOS token unless the prompt already starts with it.
         bos = self._tok.bos_token
-        return self._tok.encode(text, add_special_tokens=bos is None or not text.startswith(bos),
-                                truncation=limit is not None, max_length=limit)
+        special = bos is None or not text.startswith(bos)
+        ids = self._tok.encode(text, add_special_tokens=special)
+        if limit is None or len(ids) <= limit:
+            return ids
+        # Cut here, not by the tokenizer's own truncation: that is a setting of the
+        # tokenizer every thread shares, and a text tokenized meanwhile in another
+        # thread was cut by this one's limit, or this one not at all.
+        around = self._tok.encode("", add_special_tokens=special)  # what it adds before and after a text
+        before = next(k for k in range(len(around), -1, -1) if ids[:k] == around[:k])
+        after = len(around) - before
+        return ids[:max(limit - after, before)] + ids[len(ids) - after:]
+
+    def encode_texts(self, texts: list[str], limit: int | None = None) -> list[list[int]]:
+        """Each text as encode_text makes it: a request's inputs in one call (and one thread)."""
+        return [self.encode_text(text, limit) for text in texts]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.rust.decode(token_ids, skip_special_tokens=skip_special_tokens)

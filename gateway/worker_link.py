@@ -85,7 +85,12 @@ class WorkerUnavailable(Exception):
 
 
 class WorkerRejected(Exception):
-    """The worker could not act on the request: its message says why."""
+    """The worker could not act on the request: its message says why;
+    `internal`: it failed at it, rather than found the request wrong."""
+
+    def __init__(self, message: str, internal: bool = False) -> None:
+        super().__init__(message)
+        self.internal = internal
 
 
 @dataclass
@@ -584,7 +589,7 @@ class WorkerLink:
             return
         if (pending := self._embeds.get(error.request_id)) is not None:
             if pending[0] == identity and not pending[1].done():
-                pending[1].set_exception(WorkerRejected(error.message))
+                pending[1].set_exception(WorkerRejected(error.message, error.internal))
             return
         state = self.outputs.of_wire(error.request_id)
         if state is not None and state.worker == identity:

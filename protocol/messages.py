@@ -260,6 +260,8 @@ class Error(_Message, tag="error"):
 
     request_id: str | None
     message: str
+    # The worker failed at it (an out-of-memory), not the request: the client's 500, not its 400.
+    internal: bool = False
 
 
 class Goodbye(_Message, tag="goodbye"):

@@ -322,7 +322,7 @@ class Worker(EngineRunner):
         job = self._embedding[0]  # the piece is the oldest job's, taken this turn
         if isinstance(result, Exception):
             self._embedding.popleft()
-            self.send(Error(piece.request_id, f"embedding failed: {result}"))
+            self.send(Error(piece.request_id, f"embedding failed: {result}", internal=True))
             return
         if job.done(piece, result):
             self._embedding.popleft()

@@ -4,6 +4,7 @@ the hop to a thread), a long one in a thread (it would hold every stream)."""
 import asyncio
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -60,3 +61,22 @@ def test_tokenizing_a_long_prompt_lets_the_event_loop_run(tiny_model, how):
     gap, took = asyncio.run(longest_gap())
     assert took > 0.2, "too short a prompt to tell"
     assert gap < took / 4, f"the loop stood still {gap * 1000:.0f} ms of the {took * 1000:.0f} ms tokenizing took"
+
+
+def test_a_text_cut_to_a_limit_cuts_no_text_tokenized_meanwhile(tiny_model):
+    """Embedding inputs are tokenized in threads, some cut to the context. Cut
+    by transformers' truncation, a setting of the tokenizer every thread
+    shares, a text tokenized meanwhile came back cut by another's limit, or
+    one that asked for a limit uncut."""
+    tokenizer = Tokenizer({p.name: p.read_bytes() for p in tiny_model.iterdir() if p.suffix == ".json"})
+    text = "the keeper of the lighthouse watched the sea " * 50
+    whole = tokenizer.encode_text(text)
+    cut = tokenizer.encode_text(text, 64)
+    assert len(whole) > 64 and cut == whole[:64]
+
+    def work(worker: int) -> list[bool]:
+        return [tokenizer.encode_text(text, 64 if (worker + i) % 2 else None) == (cut if (worker + i) % 2 else whole)
+                for i in range(150)]
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(all(right) for right in pool.map(work, range(4)))
