@@ -122,6 +122,10 @@ class EmbeddingsAPI:
 def shortened(vector: array, dimensions: int) -> array:
     """The first `dimensions` values, normalized again (how Matryoshka-trained models, e.g. Qwen3-Embedding,
     are shortened; OpenAI's `dimensions` does the same)."""
-    head = vector[:dimensions]
-    norm = math.sqrt(sum(v * v for v in head)) or 1.0
-    return array("f", (v / norm for v in head))
+    return normalized(vector[:dimensions])
+
+
+def normalized(vector: array) -> array:
+    """The vector at length 1 (a zero vector as it is)."""
+    norm = math.sqrt(sum(v * v for v in vector)) or 1.0
+    return array("f", (v / norm for v in vector))

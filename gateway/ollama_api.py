@@ -23,7 +23,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
-from gateway.embeddings_api import EmbeddingsAPI
+from gateway.embeddings_api import EmbeddingsAPI, normalized
 from gateway.errors import APIError, convert, decode_body
 from gateway.images import ImageSource
 from gateway.ollama_schema import (
@@ -353,7 +353,8 @@ class OllamaAPI:
         inputs: list[str | list[int]] = [body.input] if isinstance(body.input, str) else list(body.input)
         vectors, tokens = await self.embeddings.vectors(request, body.model, body.keep_alive, inputs,
                                                         body.dimensions, body.truncate)
-        return MsgspecResponse(Embed(body.model, [v.tolist() for v in vectors],
+        # Ollama's /api/embed answers vectors of length 1, whatever the model's files say.
+        return MsgspecResponse(Embed(body.model, [normalized(v).tolist() for v in vectors],
                                      nanoseconds(time.monotonic() - started), 0, tokens))
 
     async def embeddings_v1(self, request: Request) -> Response:

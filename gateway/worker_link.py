@@ -258,7 +258,8 @@ class WorkerLink:
         ready = [w for w in self.workers.values() if w.ready and w.hello.model_digest == digest]
         if not ready:
             raise WorkerUnavailable("the worker went away")
-        load = Counter(s.worker for s in self.outputs)
+        # Embeddings requests count as load too: each worker reads its own in turn.
+        load = Counter(s.worker for s in self.outputs) + Counter(identity for identity, _ in self._embeds.values())
         worker = min(ready, key=lambda w: load[w.identity])
         answer: asyncio.Future[Embeddings] = asyncio.get_running_loop().create_future()
         self._embeds[request_id] = (worker.identity, answer)

@@ -82,21 +82,27 @@ def test_bad_input_is_a_400_naming_its_parameter(server, body, param):
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 
-def test_sentence_transformers_pooling_is_read_from_the_model(tiny_model, tmp_path):
-    """A model directory with modules.json and a mean-pooling module pools by the mean."""
+@pytest.mark.parametrize("normalize", [True, False])
+def test_sentence_transformers_pooling_is_read_from_the_model(tiny_model, tmp_path, normalize):
+    """A model directory with modules.json and a mean-pooling module pools by the mean, and
+    normalizes where a Normalize module says so; Ollama's /api/embed always does, as Ollama does."""
     model = tmp_path / "mean"
     shutil.copytree(tiny_model, model)
     (model / "modules.json").write_text(json.dumps([
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+        *[{"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}] * normalize]))
     (model / "1_Pooling").mkdir()
     (model / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
     with running(["serve", "--model", f"mean={model}"], tmp_path / "serve.log") as srv:
-        body = srv.http.post("/v1/embeddings", json={"model": "mean", "input": TEXTS[0]}).json()
+        vector = np.array(srv.http.post("/v1/embeddings", json={"model": "mean", "input": TEXTS[0]}).json()[
+            "data"][0]["embedding"])
+        ollamas = srv.http.post("/api/embed", json={"model": "mean", "input": TEXTS[0]}).json()["embeddings"][0]
     reference = Reference(model)
-    np.testing.assert_allclose(body["data"][0]["embedding"],
-                               expected(reference, reference.text_prompt(TEXTS[0]), "mean"), rtol=0, atol=1e-6)
+    unit = expected(reference, reference.text_prompt(TEXTS[0]), "mean")
+    assert (abs(np.linalg.norm(vector) - 1) < 1e-5) == normalize
+    np.testing.assert_allclose(vector / np.linalg.norm(vector), unit, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(ollamas, unit, rtol=0, atol=1e-6)
 
 
 def test_a_large_embeddings_request_goes_in_pieces_between_a_streams_steps(tiny_model, reference, tmp_path):
