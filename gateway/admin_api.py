@@ -34,6 +34,7 @@ class AdminAPI:
         """Load the model, unloading idle ones to make room; answers once it is ready (503 past --worker-wait-s)."""
         name = self._model(request)
         lease, _ = await self.serving.lease(name, retry_failed=True)
+        self.serving.pool.call_off_unload(name)
         lease.release()
         return MsgspecResponse({"model": name, "status": self.serving.pool.status(name)})
 

@@ -271,6 +271,7 @@ class ModelPool:
         m.last_used = time.monotonic()
         if m.users == 0:
             keep = self.keep_alive_s if lease.keep_alive_s is None else lease.keep_alive_s
+            m.unload_requested &= m.holds_memory  # asked of a model that never started: nothing left to unload
             if m.unload_requested:
                 keep = 0.0
             m.idle_until = math.inf if m.pinned else m.last_used + keep
@@ -299,17 +300,33 @@ class ModelPool:
 
     def pin(self, name: str, pinned: bool) -> None:
         """Keep the model loaded however long it is idle (it still loads on
-        demand), or let it unload after its keep-alive again. ValueError when
-        pinning it would pin more models than may be loaded."""
+        demand; an unload asked for meanwhile is called off), or let it unload
+        after its keep-alive again. ValueError when pinning it would pin more
+        models than may be loaded, or than the budget holds together (pinned
+        models are never unloaded for room: the others would be refused for good)."""
         m = self.find(name)
         assert m is not None
-        if pinned and not m.pinned and sum(o.pinned for o in self.models.values()) >= self.max_loaded:
-            raise ValueError(f"pinning {name} would pin more models than --max-loaded-models ({self.max_loaded})")
+        if pinned and not m.pinned:
+            pinned_ones = [o for o in self.models.values() if o.pinned] + [m]
+            if len(pinned_ones) > self.max_loaded:
+                raise ValueError(f"pinning {name} would pin more models than --max-loaded-models ({self.max_loaded})")
+            if (needed := sum(o.charge.fixed_here for o in pinned_ones)) > self.budget:
+                raise ValueError(f"pinning {name} would pin models needing {format_size(needed)} together, more "
+                                 f"than the memory budget of {format_size(self.budget)}")
         m.pinned = pinned
         if pinned:
             m.idle_once_ready, m.idle_until = None, math.inf
+            self.call_off_unload(name)
+        elif m.users == 0 and m.running and self.status(name) != "loaded":
+            m.idle_once_ready, m.idle_until = self.keep_alive_s, math.inf  # from when it is ready, as release() has it
         elif m.users == 0:
             m.idle_until = time.monotonic() + self.keep_alive_s
+
+    def call_off_unload(self, name: str) -> None:
+        """An operator loads or pins a model it asked to unload while requests ran: it stays."""
+        m = self.find(name)
+        assert m is not None
+        m.unload_requested = False
 
     # ---- what /ready, /health, /metrics and /v1/models show -----------------
 
@@ -456,7 +473,6 @@ class ModelPool:
         m.supervisor.on_fatal = self.on_fatal if at_start else (lambda reason: self._load_failed(m, reason))
         m.failure = None
         m.idle_until = math.inf
-        m.unload_requested = False
         log.info("loading %s (%s of the %s budget in use)", m.name, format_size(self._used_without(m)),
                  format_size(self.budget))
         await m.supervisor.start()
@@ -464,6 +480,7 @@ class ModelPool:
     def _load_failed(self, m: PooledModel, reason: str) -> None:
         log.error("%s could not load: %s", m.name, reason)
         m.failure, m.failed_at = reason, time.monotonic()
+        m.unload_requested = False
         self.link.notify()  # its waiting requests learn it now
         self._notify()
 
@@ -482,7 +499,9 @@ class ModelPool:
         try:
             await m.supervisor.stop()
         finally:
-            m.stop_task = None
+            # An unload asked for is done (one asked for before the model started is kept
+            # till then: the requests waiting for it start it, and it unloads after them).
+            m.stop_task, m.unload_requested = None, False
             self._notify()
 
     async def _unload_if_idle(self, m: PooledModel) -> None:

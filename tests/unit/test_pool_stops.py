@@ -172,3 +172,58 @@ def test_a_model_that_fits_once_a_pinned_models_requests_end_waits_for_room(tmp_
             await pool.link.close()
 
     asyncio.run(run())
+
+
+def test_a_pin_after_an_unload_asked_while_requests_ran_keeps_the_model(tmp_path):
+    """Both answered as done (202 unloading, then 200 pinned), and the pending
+    unload won: the pinned model went once its requests ended. An admin load
+    calls it off too."""
+    async def run() -> None:
+        pool = pool_of(tmp_path, ["a"])
+        worker = await run_deaf_worker(pool, "a")
+        a = pool.models["a"]
+        a.users += 1  # the lease's hold, as ModelPool.lease takes it
+        lease = Lease(pool, a, None)
+        try:
+            assert not await pool.unload("a")  # a request runs: it unloads once that ends
+            pool.pin("a", True)
+            lease.release()
+            await asyncio.sleep(0.3)
+            assert not a.stopping and worker.returncode is None
+        finally:
+            await pool.stop()
+            await pool.link.close()
+
+    asyncio.run(run())
+
+
+def test_pins_the_budget_cannot_hold_together_are_refused(tmp_path):
+    """Pinned models are never unloaded for room: pinned past the budget, a
+    model that fits alone was refused ("cannot load") until someone unpinned."""
+    pool = pool_of(tmp_path, ["a", "b", "c"])  # the budget holds two
+    pool.pin("a", True)
+    pool.pin("b", True)
+    with pytest.raises(ValueError, match="more than the memory budget"):
+        pool.pin("c", True)
+    assert not pool.models["c"].pinned
+
+
+def test_a_model_unpinned_while_it_loads_keeps_loading(tmp_path):
+    """Its keep-alive counts from when it is ready, as a request's does: counted
+    from the unpin, the reaper stopped it mid-load."""
+    async def run() -> None:
+        pool = pool_of(tmp_path, ["a"])
+        pool.keep_alive_s = 0.1
+        worker = await run_deaf_worker(pool, "a")  # started, not ready (no worker said Hello)
+        a = pool.models["a"]
+        try:
+            await pool.start()  # the reaper (nothing pinned yet: nothing started)
+            a.pinned = True
+            pool.pin("a", False)
+            await asyncio.sleep(1.0)
+            assert not a.stopping and worker.returncode is None
+        finally:
+            await pool.stop()
+            await pool.link.close()
+
+    asyncio.run(run())
