@@ -17,7 +17,7 @@ from gateway.openai_schema import Embedding, EmbeddingList, EmbeddingRequest, Em
 from gateway.plan import keep_alive_seconds
 from gateway.pool import Unavailable
 from gateway.responses import MsgspecResponse
-from gateway.serving import Serving, tokenize, unavailable, unless_client_leaves
+from gateway.serving import Serving, refused, tokenize, unavailable, unless_client_leaves
 from gateway.worker_link import WorkerRejected, WorkerState, WorkerUnavailable
 
 
@@ -74,7 +74,7 @@ class EmbeddingsAPI:
         except TimeoutError:
             raise serving.timed_out() from None
         except Unavailable as e:
-            raise unavailable(str(e), e.code) from None
+            raise refused(e) from None
         except WorkerUnavailable as e:
             raise unavailable(str(e)) from None
         except WorkerRejected as e:

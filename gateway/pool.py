@@ -53,11 +53,13 @@ FAILED_LOAD_HOLD_S = 30.0
 
 
 class Unavailable(Exception):
-    """The pool cannot serve this now: the message says why, and the code what for, in the 503."""
+    """The pool cannot serve this now: the message says why, and the code what for, in the 503.
+    `never`: nor later, the request itself being too large (its client's 400: SDKs retry a 503)."""
 
-    def __init__(self, message: str, code: str = "no_room") -> None:
+    def __init__(self, message: str, code: str = "no_room", never: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.never = never
 
 
 @dataclass
@@ -250,7 +252,7 @@ class ModelPool:
                     "every sequence of the model's batch as long as its longest) does not fit in the memory budget "
                     f"({format_size(self.budget)}, {format_size(self.used)} in use)"
                     + ("; lower max_tokens" if never else "; retry when running requests have finished"),
-                    "memory_budget_exceeded")
+                    "memory_budget_exceeded", never)
             charge.footprint = footprint
             charge.rows += rows
             charge.kv_other += other

@@ -59,6 +59,11 @@ def unavailable(message: str, code: str = "worker_unavailable") -> APIError:
     return APIError(503, message, type="service_unavailable", code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+def refused(e: Unavailable) -> APIError:
+    """The pool's refusal as the client's error: a 503 to retry, or a 400 for a request that never fits."""
+    return APIError(400, str(e), code=e.code) if e.never else unavailable(str(e), e.code)
+
+
 @dataclass
 class Choice:
     """One choice of a finished non-streaming request."""
@@ -228,7 +233,7 @@ class Serving:
                 lease = (await self.pool.lease(name, keep_alive_s, wait_s, retry_failed) if name
                          else Lease(self.pool, None, None))
             except Unavailable as e:
-                raise unavailable(str(e), e.code) from None
+                raise refused(e) from None
             try:
                 worker = await self.link.ready_worker(deadline, wait_s, name,
                                                       lease.model.load_error if lease.model else None)
@@ -383,7 +388,7 @@ class Serving:
                     for state in group.states:
                         self.link.submit(state, worker)
             except Unavailable as e:
-                raise unavailable(str(e), e.code) from None
+                raise refused(e) from None
             except WorkerUnavailable as e:
                 raise unavailable(str(e)) from None
             for state in group.states:

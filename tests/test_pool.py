@@ -360,12 +360,13 @@ def test_a_model_that_cannot_load_fails_its_own_requests_with_the_reason(small_p
     assert small_pool.proc.poll() is None
 
 
-def test_a_budget_too_small_for_a_requests_reservation_is_a_503_before_the_200(small_pool, models):
+def test_a_budget_too_small_for_a_requests_reservation_is_a_400_before_the_200(small_pool, models):
+    """However long it waited it would not fit: a 400, which clients do not retry (the SDKs retry a 503)."""
     wait_for(lambda: "choices" in complete(small_pool, "alpha"), 60, "alpha to load")
     assert small_pool.health()["pool"]["models"]["alpha"]["memory"]["weights"] == 492_800
     body = {"model": "alpha", "prompt": PROMPT, "max_tokens": 1200, "temperature": 0, "stream": True}
     with small_pool.http.stream("POST", "/v1/completions", json=body) as response:
-        assert response.status_code == 503 and response.headers["retry-after"]
+        assert response.status_code == 400 and "retry-after" not in response.headers
         error = json.loads(response.read())["error"]
     assert error["code"] == "memory_budget_exceeded" and "lower max_tokens" in error["message"]
     # Nothing crashed, and a request that fits is answered.
@@ -381,7 +382,7 @@ def test_embeddings_reserve_their_largest_input_not_their_sum(small_pool, models
     three = small_pool.http.post("/v1/embeddings", json={"model": "alpha", "input": [[5] * 400] * 3})
     assert three.status_code == 200 and len(three.json()["data"]) == 3
     one = small_pool.http.post("/v1/embeddings", json={"model": "alpha", "input": [[5] * 1200]})
-    assert one.status_code == 503 and one.json()["error"]["code"] == "memory_budget_exceeded"
+    assert one.status_code == 400 and one.json()["error"]["code"] == "memory_budget_exceeded"
 
 
 def test_a_pinned_model_loads_at_start_and_stays(models, tmp_path):
