@@ -71,6 +71,22 @@ def test_the_page_shows_the_model_and_its_worker_and_follows_a_request(page, ser
     expect(page.locator("#events")).to_contain_text("ready")
 
 
+def test_a_server_that_stops_answering_for_a_while_is_said_so_and_then_not(page, served):
+    """The banner stayed for as long as the tab was open, over a dashboard
+    drawn again from fresh state; a click while the server did not answer
+    said nothing at all."""
+    expect(model_row(page).locator(".state")).to_have_text("loaded", timeout=SEEN_S)
+    page.route("**/admin/**", lambda route: route.abort())
+    expect(page.locator("#error")).to_have_text("the server does not answer", timeout=SEEN_S)
+    page.evaluate("document.getElementById('error').textContent = ''")
+    page.once("dialog", lambda dialog: dialog.accept())
+    model_row(page).locator('button[data-action="pin"]').click()
+    expect(page.locator("#error")).to_have_text("the server does not answer", timeout=SEEN_S)
+    page.unroute("**/admin/**")
+    expect(page.locator("#error")).to_have_text("", timeout=SEEN_S)
+    assert served.health()["pool"]["models"][MODEL_NAME]["pinned"] is False
+
+
 def test_a_killed_worker_shows_as_lost_then_its_successor_as_ready(page, served):
     pid = served.health()["worker"]["pid"]
     expect(worker_state(page, pid)).to_have_text("ready", timeout=SEEN_S)
