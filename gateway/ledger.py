@@ -136,5 +136,6 @@ class Charge:
         return self.here(self.total)
 
     def as_dict(self) -> dict[str, int]:
+        """The group's figures, and `here`: this machine's share of the total, which the budget holds."""
         return {"weights": self.weights, "prefix_cache": self.prefix_cache, "kv_reserved": self.kv_reserved,
-                "total": self.total}
+                "total": self.total, "here": self.total_here}

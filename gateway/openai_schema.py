@@ -335,6 +335,7 @@ class ModelMemory(msgspec.Struct):
     prefix_cache: int
     kv_reserved: int
     total: int
+    here: int  # this machine's share of the total (a distributed group's ranks split it)
 
 
 class Model(msgspec.Struct):

@@ -134,7 +134,7 @@ def test_a_model_over_this_machines_budget_loads_as_a_group(tiny_model, tmp_path
         pool = server.health()["pool"]
         (entry,) = pool["models"].values()
         assert entry["memory"]["weights"] == server.health()["worker"]["weights_bytes"] > pool["budget"]
-        assert 0 < pool["used"] <= pool["budget"]
+        assert 0 < pool["used"] == entry["memory"]["here"] <= pool["budget"] < entry["memory"]["total"]
 
 
 def test_structured_output_and_logprobs_equal_one_process(group, server):
