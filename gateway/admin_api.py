@@ -66,7 +66,10 @@ class AdminAPI:
         """Restart a worker this gateway started: it drains (its streams resume on the next one) and starts again."""
         pid = request.path_params["pid"]
         supervisor = next((s for s in self.supervisors if s.process is not None and s.process.pid == pid), None)
-        if supervisor is None or not supervisor.restart():
+        if supervisor is None or supervisor.process is None or supervisor.process.returncode is not None:
             raise APIError(404, f"no worker with pid {pid} runs under this gateway (a worker that connected on its "
                            "own is restarted where it was started)", type="not_found_error", code="worker_not_found")
+        if not supervisor.restart():
+            raise APIError(409, f"worker pid {pid} is stopping (the server drains, or its model unloads): it is not "
+                                "started again", code="worker_stopping")
         return MsgspecResponse({"pid": pid, "restarting": True}, 202)
