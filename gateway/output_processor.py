@@ -140,9 +140,9 @@ class RequestState:
                 self.reasoning_tokens += len(output.token_ids) + self._held_tokens
                 self._held_tokens, self._held_logprobs, logprobs = 0, [], []
             elif reasoning or text or calls:  # what was held turned out text, or markup (a call, a header)
-                held = "".join(info.text for info in self._held_logprobs)
-                logprobs = self._held_logprobs + logprobs if text.startswith(held) and not (reasoning or calls) \
-                    else logprobs if text and not (reasoning or calls) else []
+                # The held tokens were text if the text released starts with theirs (a marker's start after all).
+                held = self._held_logprobs if text.startswith("".join(i.text for i in self._held_logprobs)) else []
+                logprobs = held + logprobs if text and not (reasoning or calls) else []
                 self._held_tokens, self._held_logprobs = 0, []
             else:  # held back by the parser: perhaps the first tokens of an opening marker
                 self._held_tokens += len(output.token_ids)
