@@ -318,6 +318,7 @@ class OllamaAPI:
         else:
             messages = [Message("system", body.system)] if body.system else []
             prompt = chat_input([*messages, Message("user", body.prompt, body.images)], body.think, "prompt")
+            prompt.untemplated = None if body.images else body.prompt
         renderer = GenerateOutput(body.model, request.scope["state"]["arrived"])
         return await self.serving.respond(request, plan(body.model, prompt, body.options, body.format, None,
                                                         body.stream, body.keep_alive, "prompt", body.think), renderer)

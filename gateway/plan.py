@@ -39,6 +39,9 @@ class ChatInput:
     # Ollama's chats and Responses' truncation "auto": a conversation longer than
     # the context loses its oldest turns until it fits (system messages stay), not a 400.
     fit_context: bool = False
+    # Ollama's /api/generate: the text a model without a chat template completes as
+    # it is (Ollama's default template is the prompt alone), rather than a 400.
+    untemplated: str | None = None
 
 
 class DocumentStart:

@@ -287,6 +287,9 @@ class Serving:
             if bad is not None:
                 raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
             return Prompt("", source)
+        if source.untemplated is not None and not worker.tokenizer.has_chat_template:
+            return Prompt(source.untemplated, await tokenize(len(source.untemplated), worker.tokenizer.encode_text,
+                                                             source.untemplated, param=plan.prompt_param))
         if source.images and not worker.hello.vision:
             raise APIError(400, "image inputs are not supported: the served model is text-only",
                            param=source.images[0].param, code="unsupported_content")

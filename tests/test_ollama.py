@@ -15,6 +15,7 @@ import pytest
 from tests.conftest import MODEL_NAME, Server, running, wait_for
 from tests.scripted_model import make_scripted_model
 from tests.test_embeddings import expected as expected_embedding
+from tests.tiny_model import make_tiny_model
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about the sea."}]
 GREEDY = {"temperature": 0, "num_predict": 12}
@@ -85,6 +86,21 @@ def test_generate_templates_the_prompt_or_takes_it_raw(client, reference):
     assert client.generate(model=MODEL_NAME, prompt=prompt, raw=True, options=GREEDY).response == raw.text
     streamed = client.generate(model=MODEL_NAME, prompt=prompt, raw=True, options=GREEDY, stream=True)
     assert "".join(p.response for p in streamed) == raw.text
+
+
+def test_generate_on_a_model_without_a_chat_template_takes_the_prompt_as_it_is(reference, tmp_path):
+    """Ollama's default template is the prompt alone: a base model answered
+    /api/generate (without raw) with a 400 "no chat template"."""
+    model = make_tiny_model(tmp_path / "base", chat_template="")
+    prompt = "Once upon a time"
+    expected = reference.greedy(reference.text_prompt(prompt), GREEDY["num_predict"]).text
+    with running(["serve", "--model", str(model), "--served-model-name", "base"], tmp_path / "serve.log") as srv:
+        client = ollama.Client(host=srv.url)
+        assert client.generate(model="base", prompt=prompt, options=GREEDY).response == expected
+        assert client.generate(model="base", prompt=prompt, raw=True, options=GREEDY).response == expected
+        with pytest.raises(ollama.ResponseError) as refused:
+            client.chat(model="base", messages=[{"role": "user", "content": prompt}], options=GREEDY)
+    assert refused.value.status_code == 400 and "no chat template" in refused.value.error
 
 
 def test_options_stop_and_format(client, reference):
