@@ -105,6 +105,26 @@ def test_sentence_transformers_pooling_is_read_from_the_model(tiny_model, tmp_pa
     np.testing.assert_allclose(ollamas, unit, rtol=0, atol=1e-6)
 
 
+def test_pooling_mlxd_does_not_do_is_refused_not_done_otherwise(tiny_model, tmp_path):
+    """A weighted mean (SGPT's) was pooled as the last token, with no word: other vectors than the
+    model's. The model still generates; its embeddings are refused, and the worker's log says why."""
+    model = tmp_path / "weighted"
+    shutil.copytree(tiny_model, model)
+    (model / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (model / "1_Pooling").mkdir()
+    (model / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_weightedmean_tokens": True,
+                                                                "pooling_mode_lasttoken": False}))
+    with running(["serve", "--model", f"weighted={model}"], tmp_path / "serve.log") as srv:
+        refused = srv.http.post("/v1/embeddings", json={"model": "weighted", "input": TEXTS[0]})
+        generated = srv.http.post("/v1/completions", json={"model": "weighted", "prompt": "Hi", "max_tokens": 2})
+        log = srv.log_path.read_text()
+    assert refused.status_code == 400 and "cannot embed" in refused.json()["error"]["message"]
+    assert generated.status_code == 200
+    assert "pooling_mode_weightedmean_tokens" in log
+
+
 def test_a_large_embeddings_request_goes_in_pieces_between_a_streams_steps(tiny_model, reference, tmp_path):
     """--prefill-chunk 64: a piece is one input of ~60 tokens; the stream gets tokens while they are embedded."""
     with running(["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME, "--prefill-chunk", "64"],

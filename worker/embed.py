@@ -18,6 +18,7 @@ steps, instead of in one forward pass that every stream waits for.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -28,7 +29,14 @@ import msgspec
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+log = logging.getLogger("mlxd.worker.embed")
+
 POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "first"}
+
+
+class UnsupportedPooling(ValueError):
+    """The model's sentence-transformers files ask for what mlxd does not do
+    (another pooling, a Dense layer after it): its vectors would be others."""
 
 
 @dataclass(frozen=True)
@@ -46,11 +54,18 @@ def pooling_of(path: Path) -> Pooling:
         return Pooling()
     modules = json.loads(modules_file.read_text())
     normalize = any(m.get("type", "").endswith("Normalize") for m in modules)
+    if dense := [m.get("path", "") for m in modules if m.get("type", "").endswith("Dense")]:
+        raise UnsupportedPooling(f"its sentence-transformers files project the pooled vector ({dense[0]}), "
+                                 "which mlxd does not")
     mode = "last"
     for m in modules:
         config = path / m.get("path", "") / "config.json"
         if m.get("type", "").endswith("Pooling") and config.is_file():
             settings = json.loads(config.read_text())
+            asked = [key for key, value in settings.items() if key.startswith("pooling_mode_") and value is True]
+            if asked and not any(key in POOLING_MODES for key in asked):
+                raise UnsupportedPooling(f"its sentence-transformers pooling ({', '.join(asked)}) is not one mlxd "
+                                         "does (last token, mean, first token)")
             mode = next((name for key, name in POOLING_MODES.items() if settings.get(key)), mode)
     return Pooling(mode, normalize)
 
@@ -118,5 +133,12 @@ class Embedder:
 
 
 def embedder_for(model: nn.Module, path: Path) -> Embedder | None:
-    """An Embedder for an mlx-lm text model; None for a model without one (a vision model's)."""
-    return Embedder(model, pooling_of(path)) if isinstance(getattr(model, "model", None), nn.Module) else None
+    """An Embedder for an mlx-lm text model; None for a model without one (a
+    vision model's) or whose files ask for pooling mlxd does not do."""
+    if not isinstance(getattr(model, "model", None), nn.Module):
+        return None
+    try:
+        return Embedder(model, pooling_of(path))
+    except UnsupportedPooling as e:
+        log.warning("this model will not embed: %s", e)
+        return None

@@ -281,7 +281,9 @@ class Worker(EngineRunner):
                     step.adds.append(self._seeded(message))
                     buffers.append(tensors)
                 case Embed(request_id=request_id) if self.embedder is None:
-                    self.send(Error(request_id, "this model cannot embed (a vision model)"))
+                    self.send(Error(request_id, "this model cannot embed (a vision model, or one whose "
+                                                "sentence-transformers files ask for pooling mlxd does not do: "
+                                                "the worker's log says which)"))
                 case Embed(request_id=request_id, inputs=[]):
                     self.send(Error(request_id, "no inputs to embed"))
                 case Embed(request_id=request_id, inputs=inputs) if not all(
