@@ -63,9 +63,9 @@ def pooling_of(path: Path) -> Pooling:
         if m.get("type", "").endswith("Pooling") and config.is_file():
             settings = json.loads(config.read_text())
             asked = [key for key, value in settings.items() if key.startswith("pooling_mode_") and value is True]
-            if asked and not any(key in POOLING_MODES for key in asked):
+            if len(asked) > 1 or any(key not in POOLING_MODES for key in asked):  # several: concatenated
                 raise UnsupportedPooling(f"its sentence-transformers pooling ({', '.join(asked)}) is not one mlxd "
-                                         "does (last token, mean, first token)")
+                                         "does (one of last token, mean, first token)")
             mode = next((name for key, name in POOLING_MODES.items() if settings.get(key)), mode)
     return Pooling(mode, normalize)
 
