@@ -317,8 +317,7 @@ class ModelPool:
                                  f"than the memory budget of {format_size(self.budget)}")
         m.pinned = pinned
         if pinned:
-            m.idle_once_ready, m.idle_until = None, math.inf
-            self.call_off_unload(name)
+            m.idle_once_ready, m.idle_until, m.unload_requested = None, math.inf, False
         elif m.users == 0 and m.running and self.status(name) != "loaded":
             m.idle_once_ready, m.idle_until = self.keep_alive_s, math.inf  # from when it is ready, as release() has it
         elif m.users == 0:

@@ -275,6 +275,9 @@ class Serving:
     async def prompt(self, request: Request, worker: WorkerState, plan: Plan) -> Prompt:
         """The plan's prompt as token ids (a 400 for one that cannot be made)."""
         source = plan.prompt
+        if isinstance(source, ChatInput) and source.untemplated is not None \
+                and not worker.tokenizer.has_chat_template:
+            source = source.untemplated  # Ollama's /api/generate: completed as it is, as a raw prompt is
         if isinstance(source, DocumentStart):
             # The tokenizer's own start (its BOS), else what ends a document (an EOS) as a separator.
             return Prompt("", worker.tokenizer.encode_text("") or worker.hello.eos_token_ids[:1])
@@ -287,9 +290,6 @@ class Serving:
             if bad is not None:
                 raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
             return Prompt("", source)
-        if source.untemplated is not None and not worker.tokenizer.has_chat_template:
-            return Prompt(source.untemplated, await tokenize(len(source.untemplated), worker.tokenizer.encode_text,
-                                                             source.untemplated, param=plan.prompt_param))
         if source.images and not worker.hello.vision:
             raise APIError(400, "image inputs are not supported: the served model is text-only",
                            param=source.images[0].param, code="unsupported_content")

@@ -121,6 +121,7 @@ def json_schema_grammar(schema: dict | None, param: str = "response_format", str
 # Pydantic's and MCP's tool schemas do: they must stay at the root of the
 # schema the grammar is made of, wherever the tool's parameters end up in it.
 DEFINITIONS = ("$defs", "definitions")
+DEFINITION_REFS = tuple(f"#/{key}/" for key in DEFINITIONS)  # how a `$ref` to one of them starts
 
 
 def _definitions(schema: dict) -> dict:
@@ -139,7 +140,7 @@ def _rebased(schema, at: str):
     out = {}
     for key, value in schema.items():
         if key == "$ref" and isinstance(value, str) and value.startswith("#") and \
-                not value.startswith(tuple(f"#/{d}/" for d in DEFINITIONS)):
+                not value.startswith(DEFINITION_REFS):
             out[key] = at + value[1:]
         else:
             out[key] = value if key in DATA_KEYS else _rebased(value, at)
@@ -264,7 +265,7 @@ def _tagged_call(tool: dict, family: str, tokens: Mapping[str, int], lazy: dict[
     function = tool["function"]
     schema = function.get("parameters") or {}
     reference = schema.get("$ref")
-    if isinstance(reference, str) and reference.startswith(tuple(f"#/{d}/" for d in DEFINITIONS)):
+    if isinstance(reference, str) and reference.startswith(DEFINITION_REFS):
         # The whole of the parameters a definition (Zod's named schemas): its arguments are the definition's.
         kind, _, name = reference[2:].partition("/")
         named = _definitions(schema).get(kind, {}).get(name)

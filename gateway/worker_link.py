@@ -259,7 +259,7 @@ class WorkerLink:
         if not ready:
             raise WorkerUnavailable("the worker went away")
         # Embeddings requests count as load too: each worker reads its own in turn.
-        load = Counter(s.worker for s in self.outputs) + Counter(identity for identity, _ in self._embeds.values())
+        load = self._running_by_worker() + Counter(identity for identity, _ in self._embeds.values())
         worker = min(ready, key=lambda w: load[w.identity])
         answer: asyncio.Future[Embeddings] = asyncio.get_running_loop().create_future()
         self._embeds[request_id] = (worker.identity, answer)
@@ -304,12 +304,16 @@ class WorkerLink:
     def _names_of(self, hello: Hello) -> list[str]:
         return self.served_model_name or [hello.model]
 
+    def _running_by_worker(self) -> Counter[bytes | None]:
+        """Our running requests (choices) on each worker: what balancing counts."""
+        return Counter(state.worker for state in self.outputs)
+
     def _least_loaded(self, model: str | None) -> WorkerState | None:
         """The ready worker serving `model` (None: any) running the fewest of our requests."""
         ready = [w for w in self.workers.values() if w.ready and (model is None or model in w.names)]
         if not ready:
             return None
-        load = Counter(state.worker for state in self.outputs)
+        load = self._running_by_worker()
         return min(ready, key=lambda w: load[w.identity])
 
     def _dispatch(self, state: RequestState) -> WorkerState | None:
@@ -319,7 +323,7 @@ class WorkerLink:
         ready = [w for w in self.workers.values() if w.ready and w.hello.model_digest == state.model_digest]
         if not ready:
             return None
-        load = Counter(s.worker for s in self.outputs)
+        load = self._running_by_worker()
         least = min(load[w.identity] for w in ready)
         message = state.add_request()
         blocks = prefix_blocks(message.prompt_token_ids)
