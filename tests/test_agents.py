@@ -119,13 +119,17 @@ def test_the_agent_runs_its_shell_tool_and_answers(agent, tmp_path):
 def test_the_agent_waits_through_a_long_prefill(agent, requests, tmp_path):
     """Codex and OpenCode give up on a stream with no event for a while (5
     minutes unless set; a long context's prefill on a Mac can take longer) and
-    send the request again. Here they wait a second, and project notes add
-    5,000 tokens to the agent's own instructions and tools: the first turn's
-    prefill takes longer than that on this CPU (both fail with keep-alives off).
-    mlxd's keep-alives carry it through, and no request is sent twice
-    (OpenCode's third is its title for the session)."""
-    notes = ("Keep every answer short and plain. " * 300)[: 8 << 10]
-    run, served, work = run_agent(agent, tmp_path, serve_args=("--stream-keepalive-s", "0.2"), idle_timeout_ms=1000,
+    send the request again. Here they wait 3 seconds, and project notes add
+    27,000 tokens to the agent's own instructions and tools: the first turn's
+    prefill takes longer than that on this CPU (4.7 s for Codex, 6 s for
+    OpenCode; both fail with keep-alives off). mlxd's keep-alives carry it
+    through, and no request is sent twice (OpenCode's third is its title for
+    the session). The wait is that long because a client's own event loop
+    stalls while the prefill takes the CPU: waiting half a second here, or one
+    second under CI's load, OpenCode gave up on streams with an event every
+    0.2 s."""
+    notes = ("Keep every answer short and plain. " * 1500)[: 40 << 10]
+    run, served, work = run_agent(agent, tmp_path, serve_args=("--stream-keepalive-s", "0.2"), idle_timeout_ms=3000,
                                   project_notes=notes)
     output = run.stdout + run.stderr
     assert run.returncode == 0 and ANSWER in run.stdout, output[-3000:]
