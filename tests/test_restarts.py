@@ -388,12 +388,14 @@ def test_hung_worker_is_detected_killed_and_replaced(tiny_model, tmp_path, expec
 
 
 def test_a_long_step_that_keeps_the_cpu_busy_is_not_hung(tmp_path):
-    """One prompt chunk of 8,000 tokens: seconds on MLX's CPU backend, with the
-    step counter still all along. The worker's CPU time climbs meanwhile, so it
-    is not taken for hung (it was killed at every try, its request with it)."""
+    """One prompt chunk of 8,000 tokens: seconds on MLX's CPU backend (7 here,
+    past --hung-worker-s 3), with the step counter still all along. The
+    worker's CPU time climbs meanwhile, so it is not taken for hung (it was
+    killed at every try, its request with it). A busy worker's counter may
+    stand still ten times that long: room for a slower, loaded machine."""
     model = make_tiny_model(tmp_path / "long", context=8192)
     server = Server(["serve", "--model", str(model), "--served-model-name", MODEL_NAME, "--heartbeat-s", "0.05",
-                     "--hung-worker-s", "2", "--prefill-chunk", "8192"], tmp_path / "serve.log")
+                     "--hung-worker-s", "3", "--prefill-chunk", "8192"], tmp_path / "serve.log")
     try:
         server.wait_ready()
         pid = server.health()["worker"]["pid"]
