@@ -24,7 +24,7 @@ from tests.reference import Reference
 from tests.test_embeddings import expected as expected_embedding
 from tests.test_restarts import StreamReader
 from tests.test_structured import ASK, SCHEMA, json_schema_format
-from tests.tiny_model import make_tiny_model
+from tests.tiny_model import QWEN3_NEXT, make_tiny_model
 
 PROMPTS = [
     "The quick brown fox",
@@ -119,6 +119,37 @@ def test_pipeline_sharding_equals_one_process(tmp_path_factory):
         shared = reference.model.model.embed_tokens, reference.model.model.norm, reference.model.lm_head
         assert server.health()["worker"]["weights_bytes"] == \
             parameter_bytes(reference.model) + sum(map(parameter_bytes, shared))
+
+
+def test_a_pipeline_of_hybrid_layers_reuses_only_what_every_rank_holds(tmp_path_factory):
+    """Qwen3-Next's layers (Qwen 3.5's kind) split by --sharding pipeline: one
+    rank holds the full-attention layer, whose KV cache can be cut shorter,
+    the other the linear-attention layer, whose fixed-size state cannot. A
+    prompt sharing only the start of a cached one was a hit on the first rank
+    alone: the ranks prefilled different lengths, answered wrongly and then
+    crashed. They agree on what they reuse now: nothing there, and the whole
+    of the last turn for a conversation's next one."""
+    model = make_tiny_model(tmp_path_factory.mktemp("models") / "qwen3_next", model_type="qwen3_next", layers=2,
+                            weight_index=True, extra_config=QWEN3_NEXT)
+    reference = Reference(model)
+    first = list(range(10, 50))
+
+    def answer(prompt: list[int]) -> dict:
+        r = server.http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8,
+                                                      "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == reference.greedy(prompt, 8, ignore_eos=True).text
+        return r.json()["usage"]
+
+    with running(group_args(model, "--sharding", "pipeline"), tmp_path_factory.mktemp("hybrid") / "serve.log") \
+            as server:
+        worker = server.health()["worker"]["pid"]
+        answer(first)
+        assert answer(first[:30] + list(range(60, 70)))["prompt_tokens_details"]["cached_tokens"] == 0
+        next_turn = first + reference.greedy(first, 8, ignore_eos=True).token_ids + list(range(70, 80))
+        assert answer(next_turn)["prompt_tokens_details"]["cached_tokens"] >= len(first)
+        assert server.health()["worker"]["pid"] == worker
+        assert "Traceback" not in server.log_path.read_text()
 
 
 def test_a_model_over_this_machines_budget_loads_as_a_group(tiny_model, tmp_path, reference):

@@ -39,6 +39,16 @@ SYSTEM_FIRST_TEMPLATE = (
     "{{ raise_exception('System message must be at the beginning.') }}{% endif %}{% endfor %}" + CHAT_TEMPLATE
 )
 
+# Qwen3-Next's hybrid layers (Qwen 3.5's kind), small: with two layers, the
+# first is linear attention (a fixed-size state, not trimmable) and the second
+# full attention (a KV cache that grows).
+QWEN3_NEXT = {
+    "head_dim": 16, "partial_rotary_factor": 0.25, "full_attention_interval": 2,
+    "linear_num_value_heads": 2, "linear_num_key_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+}
+
 
 def train_tokenizer(vocab_size: int = 384) -> Tokenizer:
     tok = Tokenizer(models.BPE())
@@ -65,6 +75,7 @@ def make_tiny_model(
     model_type: str = "llama",
     weight_index: bool = False,
     chat_template: str = CHAT_TEMPLATE,
+    extra_config: dict | None = None,
 ) -> Path:
     """Write a loadable mlx-lm model directory at `path` and return it.
 
@@ -76,7 +87,8 @@ def make_tiny_model(
     model_type: an mlx-lm architecture with llama's parameters (qwen2 adds
     attention biases and can be split by layers: pipeline()). weight_index
     writes the model.safetensors.index.json a sharded checkpoint has, which
-    mlx-lm's pipeline loading reads.
+    mlx-lm's pipeline loading reads. extra_config: what an architecture
+    needs beyond llama's parameters (QWEN3_NEXT for qwen3_next).
     """
     path.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
@@ -110,6 +122,7 @@ def make_tiny_model(
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
         "eos_token_id": eos_id,
+        **(extra_config or {}),
     }
     (path / "config.json").write_text(json.dumps(config))
     mx.random.seed(seed)

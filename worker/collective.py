@@ -96,6 +96,17 @@ class RankChannel:
         """Rank 0 passes the step its engine is about to apply; every rank gets it."""
         return _step_decoder.decode(self.broadcast(_step_encoder.encode(step) if step is not None else b""))
 
+    def common_prefix(self, reused: int, trimmable: bool) -> int:
+        """The prompt prefix every rank reuses for a new request, from the
+        length this rank's prefix cache found and whether its cache can be
+        cut shorter: the shortest any rank found, if every rank that found
+        more can cut to it; else none."""
+        found = np.zeros((self.size, 2), np.int64)
+        found[self.rank] = (reused, trimmable)
+        found = self._all_sum(found)
+        shortest = int(found[:, 0].min())
+        return shortest if all(cut for length, cut in found if length > shortest) else 0
+
     def gather(self, state: RankState) -> list[RankState]:
         """Every rank's state, in rank order, on every rank."""
         data = _step_encoder.encode(state)

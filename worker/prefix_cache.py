@@ -15,6 +15,7 @@ seen before.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -101,11 +102,16 @@ class LinearPromptTrie(PromptTrie):
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int, disk: DiskCache | None = None, windowed: bool = False) -> None:
-        """windowed: the model has sliding-window layers (see LinearPromptTrie)."""
+    def __init__(self, budget_bytes: int, disk: DiskCache | None = None, windowed: bool = False,
+                 agree: Callable[[int, bool], int] | None = None) -> None:
+        """windowed: the model has sliding-window layers (see LinearPromptTrie).
+        agree: in a distributed group, every rank's length found and whether
+        its cache can be cut shorter, to the length every rank reuses
+        (RankChannel.common_prefix)."""
         self._lru = LRUPromptCache(max_size=1 << 30, max_bytes=budget_bytes)
         self._lru._trie = LinearPromptTrie(shortest=windowed)  # mlx-lm 0.32.2's (pinned) attribute
         self.disk = disk
+        self.agree = agree
         self.hits = 0
         self.cached_tokens = 0
         self.lookups = 0
@@ -133,6 +139,18 @@ class PrefixCache:
             if restored is not None:
                 cache, reused = restored, length
                 self.disk_hits += 1
+        if self.agree is not None:
+            # The ranks' caches can hold other prefixes (a shard of fixed-size state cannot be cut
+            # shorter, or keeps what another shard dropped); ranks that prefilled different lengths
+            # would each run a batch the others do not.
+            common = self.agree(reused, cache is not None and can_trim_prompt_cache(cache))
+            if common < reused:
+                if common:
+                    trim_prompt_cache(cache, reused - common)
+                    drop_past_offset(cache)
+                else:
+                    cache = None
+                reused = common
         self.prefilled_tokens += len(prompt) - reused
         if cache is None:
             return None, 0

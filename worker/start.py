@@ -117,9 +117,12 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
                                          "give every host the same snapshot of the model")
         ranks = [s.rank for s in states]
         weights, footprint = sum(s.weights_bytes for s in states), summed_footprint(states)
-        # Every rank's cache must keep and drop the same prompts: budgets in proportion to the shards' KV.
-        prefix_cache_bytes = prefix_cache_bytes * states[channel.rank].kv_footprint.per_token \
-            // max(states[0].kv_footprint.per_token, 1)
+        # Budgets in proportion to the shards' KV state (at the context's length), for the ranks' caches
+        # to keep and drop mostly the same prompts; common_prefix settles where they differ. Every rank
+        # has a cache if rank 0 has one, even one of fixed-size state alone (a linear-attention run of layers).
+        if prefix_cache_bytes:
+            prefix_cache_bytes = max(1, prefix_cache_bytes * states[channel.rank].kv_footprint.bytes_for(
+                loaded.context_length) // max(states[0].kv_footprint.bytes_for(loaded.context_length), 1))
     disk = DiskCache(cache_dir, settings.prefix_cache_disk_bytes, model_identity(loaded)) if cache_dir else None
     engine = Engine(
         text_model,
@@ -130,7 +133,8 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         prefill_batch_size=settings.prefill_batch,
         prefill_step_size=settings.prefill_chunk,
         grammars=Grammars(loaded.hf_tokenizer, loaded.vocab_size, loaded.eos_token_ids),
-        prefix_cache=PrefixCache(prefix_cache_bytes, disk, windowed=bool(footprint.windowed))
+        prefix_cache=PrefixCache(prefix_cache_bytes, disk, windowed=bool(footprint.windowed),
+                                 agree=channel.common_prefix if channel else None)
         if prefix_cache_bytes or disk else None,
         vision=vision,
     )
