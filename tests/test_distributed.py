@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -323,6 +324,34 @@ def test_a_drain_stops_every_rank(tiny_model, tmp_path, stop):
         if worker.poll() is None:
             worker.kill()  # its ranks follow: they watch their parent
         gateway.stop()
+
+
+def test_ranks_that_would_end_requests_at_other_tokens_do_not_start(tiny_model, tmp_path):
+    """Two ranks started by hand, as each Mac's own launchd job starts one,
+    from two copies of the model: the same weights, but the second copy's
+    generation_config.json adds an end-of-sequence id. A request that drew it
+    would have ended on that rank alone, and the ranks' batches parted ways;
+    both refuse to start, with the reason."""
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model, other)
+    eos = json.loads((tiny_model / "config.json").read_text())["eos_token_id"]
+    (other / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 5]}))
+    port = free_port()
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    ranks = [subprocess.Popen([*MLXD, "worker", "--model", str(model), "--worker-endpoint", f"ipc://{tmp_path}/w.sock",
+                               "--distributed-hosts", "127.0.0.1,127.0.0.1", "--distributed-port", str(port)],
+                              cwd=ROOT, env={**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank, model in enumerate((tiny_model, other))]
+    try:
+        for rank in ranks:
+            output = rank.communicate(timeout=120)[0]
+            assert rank.returncode == EXIT_LOAD_FAILED, output
+            assert "end-of-sequence ids (generation_config.json)" in output
+    finally:
+        for rank in ranks:
+            rank.kill()
 
 
 @pytest.mark.parametrize(("hosts", "message"), [

@@ -39,13 +39,14 @@ class GroupStep(msgspec.Struct, kw_only=True):
     adds: list[AddRequest] = []
     embeds: list[EmbedPiece] = []
     stop: bool = False  # rank 0 is done: the group exits
-    # Of the tokens rank 0's last step drew (tokens_checksum): a rank that
-    # drew others holds another history in its shard of the KV cache.
+    # Of the tokens rank 0's last step drew and the requests it ended
+    # (tokens_checksum): a rank that drew others holds another history in its
+    # shard of the KV cache, and one that ended others runs another batch.
     checksum: int = 0
 
 
 def tokens_checksum(outputs: list[RequestOutput]) -> int:
-    return zlib.crc32(_step_encoder.encode([(o.request_id, o.token_ids) for o in outputs]))
+    return zlib.crc32(_step_encoder.encode([(o.request_id, o.token_ids, o.finish_reason) for o in outputs]))
 
 
 class RankState(msgspec.Struct, frozen=True):
@@ -55,6 +56,7 @@ class RankState(msgspec.Struct, frozen=True):
     weights_bytes: int
     kv_footprint: KVFootprint
     model_digest: str  # each rank loads the model from its own host's files: they must be the same
+    setup_digest: str  # and what runs them must be alike too (worker.start.rank_setup)
 
 
 _step_encoder = msgspec.msgpack.Encoder()

@@ -45,6 +45,8 @@ LOAD_FAILED_DELIVERY_MS = 2000
 # Rank 0 of a group learns the pid the gateway knows the worker by, its
 # launcher's (worker/group.py): a hung group is killed by it.
 GROUP_PID_ENV = "MLXD_GROUP_PID"
+# Beside MLX_PACKAGES and mlxd (model_identity): what turns text into tokens and grammars into masks.
+GROUP_PACKAGES = ("transformers", "tokenizers", "llguidance")
 
 
 def load_failed(settings: WorkerSettings, reason: str) -> int:
@@ -110,11 +112,18 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
     footprint = kv_footprint(text_model)
     ranks = []
     if channel is not None:
-        states = channel.gather(RankState(this_rank(channel.rank), weights, footprint, loaded.digest))
+        states = channel.gather(RankState(this_rank(channel.rank), weights, footprint, loaded.digest,
+                                          rank_setup(loaded)))
         if len({s.model_digest for s in states}) > 1:  # every rank sees it, and every rank stops
             hosts = ", ".join(f"{s.rank.host} {s.model_digest[:12]}" for s in states)
             return load_failed(settings, f"the ranks loaded different files for {settings.model} ({hosts}): "
                                          "give every host the same snapshot of the model")
+        if len({s.setup_digest for s in states}) > 1:
+            hosts = ", ".join(f"{s.rank.host} {s.setup_digest[:12]}" for s in states)
+            return load_failed(settings, f"the ranks run {settings.model}'s weights with different tokenizer files, "
+                                         f"end-of-sequence ids (generation_config.json), sentence-transformers "
+                                         f"files or package versions ({hosts}): give every host the same snapshot "
+                                         f"of the model and the same install of mlxd")
         ranks = [s.rank for s in states]
         weights, footprint = sum(s.weights_bytes for s in states), summed_footprint(states)
         # Budgets in proportion to the shards' KV state (at the context's length), for the ranks' caches
@@ -195,6 +204,23 @@ def _stop_with_parent(parent_pid: int | None) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="mlxd-parent-watch", daemon=True).start()
+
+
+def rank_setup(loaded: LoadedModel) -> str:
+    """What every rank of a group must share beyond the weights (which
+    model_digest covers): the tokenizer's files, the end-of-sequence ids
+    (generation_config.json may add some), the sentence-transformers files
+    that set embeddings' pooling, and the versions of what runs them. A rank
+    that ended a request at another token, refused a grammar or pooled
+    otherwise would run other batches than the others."""
+    setup = hashlib.sha256(model_identity(loaded))
+    setup.update(f"{sorted(loaded.eos_token_ids)}\0".encode())
+    for package in GROUP_PACKAGES:
+        setup.update(f"{package}={installed_version(package)}\0".encode())
+    for path in sorted([loaded.path / "modules.json", *loaded.path.glob("*/config.json")]):
+        if path.is_file():
+            setup.update(f"{path.relative_to(loaded.path)}\0".encode() + hashlib.sha256(path.read_bytes()).digest())
+    return setup.hexdigest()
 
 
 def model_identity(loaded: LoadedModel) -> bytes:
