@@ -326,32 +326,39 @@ def test_a_drain_stops_every_rank(tiny_model, tmp_path, stop):
         gateway.stop()
 
 
-def test_ranks_that_would_end_requests_at_other_tokens_do_not_start(tiny_model, tmp_path):
+@pytest.mark.parametrize("differing", ["tokenizer files", "engine flags"])
+def test_ranks_that_would_run_other_steps_do_not_start(tiny_model, tmp_path, differing):
     """Two ranks started by hand, as each Mac's own launchd job starts one,
-    from two copies of the model: the same weights, but the second copy's
-    generation_config.json adds an end-of-sequence id. A request that drew it
-    would have ended on that rank alone, and the ranks' batches parted ways;
-    both refuse to start, with the reason."""
-    other = tmp_path / "other"
-    shutil.copytree(tiny_model, other)
-    eos = json.loads((tiny_model / "config.json").read_text())["eos_token_id"]
-    (other / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 5]}))
-    port = free_port()
+    alike but for one thing: the second's copy of the model has a
+    generation_config.json that adds an end-of-sequence id (a request that
+    drew it would have ended on that rank alone), or the second batches fewer
+    requests. Either way the ranks' batches would part ways: both refuse to
+    start, and say in what they differ."""
+    other, flags = tiny_model, ()
+    if differing == "tokenizer files":
+        other = tmp_path / "other"
+        shutil.copytree(tiny_model, other)
+        eos = json.loads((tiny_model / "config.json").read_text())["eos_token_id"]
+        (other / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 5]}))
+    else:
+        flags = ("--max-batch", "2")
     hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
     ranks = [subprocess.Popen([*MLXD, "worker", "--model", str(model), "--worker-endpoint", f"ipc://{tmp_path}/w.sock",
-                               "--distributed-hosts", "127.0.0.1,127.0.0.1", "--distributed-port", str(port)],
+                               "--distributed-hosts", "127.0.0.1,127.0.0.1", *extra],
                               cwd=ROOT, env={**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank, model in enumerate((tiny_model, other))]
+             for rank, (model, extra) in enumerate(((tiny_model, ()), (other, flags)))]
     try:
         for rank in ranks:
             output = rank.communicate(timeout=120)[0]
             assert rank.returncode == EXIT_LOAD_FAILED, output
-            assert "end-of-sequence ids (generation_config.json)" in output
+            assert f"differ in their {differing}" in output, output
+            assert "weights (" not in output  # the weights are the same
     finally:
         for rank in ranks:
             rank.kill()
+            rank.wait()
 
 
 @pytest.mark.parametrize(("hosts", "message"), [

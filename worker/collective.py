@@ -55,8 +55,10 @@ class RankState(msgspec.Struct, frozen=True):
     rank: Rank
     weights_bytes: int
     kv_footprint: KVFootprint
-    model_digest: str  # each rank loads the model from its own host's files: they must be the same
-    setup_digest: str  # and what runs them must be alike too (worker.start.rank_setup)
+    # Each rank loads the model from its own host's files and runs it with its own install and
+    # flags: digests of what must be alike, by part (worker.start.rank_setup).
+    setup: dict[str, str]
+    prefix_cache_bytes: int  # --prefix-cache-bytes: rank 0's sizes every rank's (prefix_cache_budget)
 
 
 _step_encoder = msgspec.msgpack.Encoder()
@@ -122,6 +124,34 @@ class RankChannel:
 
 def this_rank(rank: int) -> Rank:
     return Rank(rank=rank, host=socket.gethostname(), pid=os.getpid())
+
+
+def group_differences(states: list[RankState]) -> str:
+    """The parts of their setup in which the ranks differ, with each host's
+    digest of each; empty if none."""
+    differing = []
+    for part in dict.fromkeys(part for s in states for part in s.setup):
+        digests = [s.setup.get(part, "none") for s in states]
+        if len(set(digests)) > 1:
+            hosts = ", ".join(f"{s.rank.host} {digest[:12]}" for s, digest in zip(states, digests))
+            differing.append(f"{part} ({hosts})")
+    return "; ".join(differing)
+
+
+def prefix_cache_budget(states: list[RankState], rank: int, context_length: int) -> int:
+    """A rank's prefix-cache budget: rank 0's, scaled by what a cached
+    sequence costs on this rank against rank 0, at the length where it costs
+    this rank the most (short ones weigh fixed-size state, long ones full
+    attention), for the ranks' caches to keep and drop mostly the same
+    prompts; common_prefix settles where they differ. Every rank has a cache
+    if rank 0 has one."""
+    budget = states[0].prefix_cache_bytes
+    if not budget:
+        return 0
+    mine, first = states[rank].kv_footprint, states[0].kv_footprint
+    lengths = {1, context_length, *(min(window, context_length) for _, window in (*mine.windowed, *first.windowed))}
+    share = max(mine.bytes_for(n) / max(first.bytes_for(n), 1) for n in lengths)
+    return max(1, int(budget * share))
 
 
 def summed_footprint(states: list[RankState]) -> KVFootprint:

@@ -146,7 +146,9 @@ class PrefixCache:
             common = self.agree(reused, cache is not None and can_trim_prompt_cache(cache))
             if common < reused:
                 if common:
-                    trim_prompt_cache(cache, reused - common)
+                    if trim_prompt_cache(cache, reused - common) != reused - common:
+                        # A cache that said it could be cut and was not: a wrong answer if it went on.
+                        raise RuntimeError(f"could not cut the cached prefix from {reused} tokens to {common}")
                     drop_past_offset(cache)
                 else:
                     cache = None

@@ -25,9 +25,16 @@ from protocol import EXIT_LOAD_FAILED, PROTOCOL_VERSION, Hello, LoadFailed, enco
 from protocol.packages import MLX_PACKAGES, installed_version
 from protocol.worker_settings import WorkerSettings, model_source, split_model
 from worker.audit import AffinityAudit
-from worker.collective import RankChannel, RankState, summed_footprint, this_rank
+from worker.collective import (
+    RankChannel,
+    RankState,
+    group_differences,
+    prefix_cache_budget,
+    summed_footprint,
+    this_rank,
+)
 from worker.disk_cache import DiskCache, open_directory
-from worker.embed import embedder_for
+from worker.embed import UnsupportedPooling, embedder_for, pooling_of
 from worker.engine import Engine
 from worker.footprint import kv_footprint, set_limits, weights_bytes
 from worker.grammar import Grammars
@@ -112,26 +119,14 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
     footprint = kv_footprint(text_model)
     ranks = []
     if channel is not None:
-        states = channel.gather(RankState(this_rank(channel.rank), weights, footprint, loaded.digest,
-                                          rank_setup(loaded)))
-        if len({s.model_digest for s in states}) > 1:  # every rank sees it, and every rank stops
-            hosts = ", ".join(f"{s.rank.host} {s.model_digest[:12]}" for s in states)
-            return load_failed(settings, f"the ranks loaded different files for {settings.model} ({hosts}): "
-                                         "give every host the same snapshot of the model")
-        if len({s.setup_digest for s in states}) > 1:
-            hosts = ", ".join(f"{s.rank.host} {s.setup_digest[:12]}" for s in states)
-            return load_failed(settings, f"the ranks run {settings.model}'s weights with different tokenizer files, "
-                                         f"end-of-sequence ids (generation_config.json), sentence-transformers "
-                                         f"files or package versions ({hosts}): give every host the same snapshot "
-                                         f"of the model and the same install of mlxd")
+        states = channel.gather(RankState(this_rank(channel.rank), weights, footprint, rank_setup(loaded, settings),
+                                          prefix_cache_bytes))
+        if differing := group_differences(states):  # every rank sees it, and every rank stops
+            return load_failed(settings, f"the ranks of {settings.model} differ in their {differing}: give every "
+                                         "host the same snapshot of the model, the same install and the same flags")
         ranks = [s.rank for s in states]
         weights, footprint = sum(s.weights_bytes for s in states), summed_footprint(states)
-        # Budgets in proportion to the shards' KV state (at the context's length), for the ranks' caches
-        # to keep and drop mostly the same prompts; common_prefix settles where they differ. Every rank
-        # has a cache if rank 0 has one, even one of fixed-size state alone (a linear-attention run of layers).
-        if prefix_cache_bytes:
-            prefix_cache_bytes = max(1, prefix_cache_bytes * states[channel.rank].kv_footprint.bytes_for(
-                loaded.context_length) // max(states[0].kv_footprint.bytes_for(loaded.context_length), 1))
+        prefix_cache_bytes = prefix_cache_budget(states, channel.rank, loaded.context_length)
     disk = DiskCache(cache_dir, settings.prefix_cache_disk_bytes, model_identity(loaded)) if cache_dir else None
     engine = Engine(
         text_model,
@@ -206,21 +201,39 @@ def _stop_with_parent(parent_pid: int | None) -> None:
     threading.Thread(target=watch, name="mlxd-parent-watch", daemon=True).start()
 
 
-def rank_setup(loaded: LoadedModel) -> str:
-    """What every rank of a group must share beyond the weights (which
-    model_digest covers): the tokenizer's files, the end-of-sequence ids
-    (generation_config.json may add some), the sentence-transformers files
-    that set embeddings' pooling, and the versions of what runs them. A rank
-    that ended a request at another token, refused a grammar or pooled
-    otherwise would run other batches than the others."""
-    setup = hashlib.sha256(model_identity(loaded))
-    setup.update(f"{sorted(loaded.eos_token_ids)}\0".encode())
-    for package in GROUP_PACKAGES:
-        setup.update(f"{package}={installed_version(package)}\0".encode())
-    for path in sorted([loaded.path / "modules.json", *loaded.path.glob("*/config.json")]):
-        if path.is_file():
-            setup.update(f"{path.relative_to(loaded.path)}\0".encode() + hashlib.sha256(path.read_bytes()).digest())
-    return setup.hexdigest()
+def rank_setup(loaded: LoadedModel, settings: WorkerSettings) -> dict[str, str]:
+    """What every rank of a group must share, part by part, each a digest:
+    the weights, the tokenizer's files (generation_config.json's
+    end-of-sequence ids among them), the embeddings' pooling, the versions of
+    what runs them, and the flags that shape the engine's batches. A rank
+    that ended a request at another token, refused a grammar, pooled
+    otherwise or batched otherwise would run other steps than the others
+    (ranks started by hand, a launchd job per Mac, each have their own flags)."""
+    try:
+        pooling = repr(pooling_of(loaded.path))
+    except UnsupportedPooling as e:
+        pooling = str(e)
+    return {
+        "weights": loaded.digest,
+        "tokenizer files": files_digest(loaded.tokenizer_files).hex(),
+        "embeddings' pooling": _digest(pooling),
+        "package versions": _digest([(p, installed_version(p)) for p in (*MLX_PACKAGES, *GROUP_PACKAGES)]),
+        "engine flags (context length, --max-batch, --prefill-batch, --prefill-chunk, --sharding)": _digest(
+            [loaded.context_length, settings.max_batch, settings.prefill_batch, settings.prefill_chunk,
+             settings.sharding]),
+    }
+
+
+def _digest(value: object) -> str:
+    return hashlib.sha256(repr(value).encode()).hexdigest()
+
+
+def files_digest(files: dict[str, bytes]) -> bytes:
+    """One digest of named files' contents, whatever their order."""
+    digest = hashlib.sha256()
+    for name, data in sorted(files.items()):
+        digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    return digest.digest()
 
 
 def model_identity(loaded: LoadedModel) -> bytes:
@@ -232,6 +245,5 @@ def model_identity(loaded: LoadedModel) -> bytes:
     identity = hashlib.sha256(loaded.digest.encode())
     for package in (*MLX_PACKAGES, "mlxd"):
         identity.update(f"{package}={installed_version(package)}\0".encode())
-    for name, data in sorted(loaded.tokenizer_files.items()):
-        identity.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    identity.update(files_digest(loaded.tokenizer_files))
     return identity.digest()
