@@ -6,10 +6,12 @@ single-process output, token for token."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
@@ -370,6 +372,26 @@ def test_hosts_that_make_no_group_are_refused(hosts, message):
     done = subprocess.run([*MLXD, "worker", "--distributed-hosts", hosts], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == EXIT_LOAD_FAILED and message in done.stderr
+
+
+def test_a_rank_that_cannot_join_the_group_gives_its_reason(tiny_model):
+    """Rank 1's port is taken: it cannot join the group, and logs why, while
+    rank 0 waits for it. Rank 0 alone speaks to the gateway, so the group's
+    launcher tells the reason: `mlxd serve` stops with it (it said only "see
+    the worker's log")."""
+    with socket.socket() as taken:
+        while True:  # a port whose next one is free, rank 1's then
+            port = free_port()
+            with contextlib.suppress(OSError):
+                taken.bind(("127.0.0.1", port + 1))
+                break
+        taken.listen()
+        done = subprocess.run([*MLXD, "serve", "--preload", "--model", str(tiny_model), "--port", str(free_port()),
+                               "--distributed-hosts", "127.0.0.1,127.0.0.1", "--distributed-port", str(port)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "cannot load the model: rank 1 (127.0.0.1): cannot join the distributed group" in done.stderr, done.stderr
+    assert "restarting" not in done.stderr
 
 
 def test_jaccl_without_rdma_devices_is_refused():

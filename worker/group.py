@@ -27,15 +27,18 @@ import msgspec
 from mlx._distributed_utils.common import Host, Hostfile
 from mlx._distributed_utils.launch import RemoteProcess
 
+from protocol import EXIT_LOAD_FAILED
 from protocol.settings import to_arguments
 from protocol.worker_settings import WorkerSettings, worker_command
-from worker.start import GROUP_PID_ENV, load_failed
+from worker.start import GROUP_PID_ENV, LOAD_FAILURE_LOGGED, load_failed
 
 log = logging.getLogger("mlxd.worker.group")
 
 POLL_S = 0.1
 # After rank 0 exits cleanly, the others have this long to follow its stop.
 FOLLOW_S = 5.0
+# A rank's last output, relayed after it exits (a remote rank's comes over ssh).
+RELAY_END_S = 2.0
 
 
 class GroupError(ValueError):
@@ -77,6 +80,8 @@ class RankProcess:
     rank: int
     host: str
     process: subprocess.Popen
+    relay: threading.Thread | None = None  # its output to ours
+    load_failure: str | None = None  # the reason it logged for not loading the model
 
     def kill(self) -> None:
         """Gone at once; a rank on another host dies with its ssh session."""
@@ -111,19 +116,24 @@ def start_rank(rank: int, host: Host, settings: WorkerSettings, files: dict[str,
         script = (f"trap '' INT; exec ssh -tt -o LogLevel=QUIET -o BatchMode=yes -o ServerAliveInterval=5 "
                   f"-o ServerAliveCountMax=3 {shlex.quote(host.ssh_hostname)} {shlex.quote(script)}")
     process = subprocess.Popen(script, shell=True, executable="/bin/bash", stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE)
-    threading.Thread(target=_relay, args=(process, rank), name=f"mlxd-rank-{rank}-output", daemon=True).start()
-    return RankProcess(rank, host.ssh_hostname, process)
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    started = RankProcess(rank, host.ssh_hostname, process)
+    started.relay = threading.Thread(target=_relay, args=(started,), name=f"mlxd-rank-{rank}-output", daemon=True)
+    started.relay.start()
+    return started
 
 
-def _relay(process: subprocess.Popen, rank: int) -> None:
-    """A rank's standard output to our standard error, less the launcher
-    script's first line (the path of its pid file)."""
-    assert process.stdout is not None
-    process.stdout.readline()
-    for line in process.stdout:
-        sys.stderr.buffer.write(f"[rank {rank}] ".encode() + line)
+def _relay(rank: RankProcess) -> None:
+    """A rank's output (its log) to our standard error, less the launcher
+    script's first line (the path of its pid file); the reason it gives for
+    not loading the model is kept."""
+    assert rank.process.stdout is not None
+    rank.process.stdout.readline()
+    for line in rank.process.stdout:
+        sys.stderr.buffer.write(f"[rank {rank.rank}] ".encode() + line)
         sys.stderr.buffer.flush()
+        if (found := line.find(LOAD_FAILURE_LOGGED.encode())) >= 0:
+            rank.load_failure = line[found + len(LOAD_FAILURE_LOGGED):].decode(errors="replace").strip()
 
 
 def run_group(settings: WorkerSettings) -> int:
@@ -145,11 +155,16 @@ def run_group(settings: WorkerSettings) -> int:
 
     signal.signal(signal.SIGTERM, drain)
     signal.signal(signal.SIGINT, drain)
-    return _watch(ranks, settings.parent_pid)
+    status, first = _watch(ranks, settings.parent_pid)
+    if first.rank > 0 and status == EXIT_LOAD_FAILED and first.load_failure:
+        # Rank 0 alone speaks to the gateway, and it was stopped waiting for this rank: the reason goes from here.
+        return load_failed(settings, f"rank {first.rank} ({first.host}): {first.load_failure}")
+    return status
 
 
-def _watch(ranks: list[RankProcess], parent_pid: int | None) -> int:
-    """Until a rank exits; then the group's status, once every rank is gone."""
+def _watch(ranks: list[RankProcess], parent_pid: int | None) -> tuple[int, RankProcess]:
+    """Until a rank exits; then the group's status, once every rank is gone,
+    and the rank that exited first."""
     while True:
         if parent_pid is not None and os.getppid() != parent_pid:
             log.warning("the process that started this worker is gone; stopping the group")
@@ -172,7 +187,9 @@ def _watch(ranks: list[RankProcess], parent_pid: int | None) -> int:
         r.kill()
     for r in ranks:
         r.process.wait()
+        if r.relay is not None:
+            r.relay.join(RELAY_END_S)
     # A stop's status is rank 0's: another rank may have exited first, at its word.
     status = ranks[0].process.returncode if stopping else first.process.returncode
     # A status of a signal (negative here) reads as a crash to the supervisor, as a shell reports it.
-    return status if status >= 0 else 128 - status
+    return (status if status >= 0 else 128 - status), first

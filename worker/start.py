@@ -47,6 +47,9 @@ from worker.vision import FeatureCache, VisionPrefill
 
 log = logging.getLogger("mlxd.worker")
 
+# What a worker's log says before the reason it cannot load its model: a group's
+# launcher reads another rank's reason there (worker.group).
+LOAD_FAILURE_LOGGED = "cannot load the model: "
 # How long a worker that cannot load its model tries to tell the gateway why.
 LOAD_FAILED_DELIVERY_MS = 2000
 # Rank 0 of a group learns the pid the gateway knows the worker by, its
@@ -60,7 +63,7 @@ def load_failed(settings: WorkerSettings, reason: str) -> int:
     """Tell the gateway why this worker cannot serve (it shows the reason in
     /health and its 503s; `mlxd serve` stops with it), then exit. A rank
     other than 0 of a group only logs it: rank 0 alone speaks to the gateway."""
-    log.error("cannot load the model: %s", reason)
+    log.error("%s%s", LOAD_FAILURE_LOGGED, reason)
     if os.environ.get("MLX_RANK", "0") != "0":
         return EXIT_LOAD_FAILED
     context = zmq.Context()
