@@ -12,6 +12,7 @@ goes to rank 0 alone, which drains and then tells the others to exit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -130,8 +131,9 @@ def _relay(rank: RankProcess) -> None:
     assert rank.process.stdout is not None
     rank.process.stdout.readline()
     for line in rank.process.stdout:
-        sys.stderr.buffer.write(f"[rank {rank.rank}] ".encode() + line)
-        sys.stderr.buffer.flush()
+        with contextlib.suppress(OSError):  # drained whatever: a full pipe would hold the rank at its next log line
+            sys.stderr.buffer.write(f"[rank {rank.rank}] ".encode() + line)
+            sys.stderr.buffer.flush()
         if (found := line.find(LOAD_FAILURE_LOGGED.encode())) >= 0:
             rank.load_failure = line[found + len(LOAD_FAILURE_LOGGED):].decode(errors="replace").strip()
 
