@@ -55,7 +55,8 @@ LOAD_FAILED_DELIVERY_MS = 2000
 # Rank 0 of a group learns the pid the gateway knows the worker by, its
 # launcher's (worker/group.py): a hung group is killed by it.
 GROUP_PID_ENV = "MLXD_GROUP_PID"
-# Beside MLX_PACKAGES and mlxd (model_identity): what turns text into tokens and grammars into masks.
+# Beside MLX_PACKAGES, what every rank of a group must run alike (rank_setup): what turns text into
+# tokens and grammars into masks.
 GROUP_PACKAGES = ("transformers", "tokenizers", "llguidance")
 
 
