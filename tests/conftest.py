@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -35,6 +36,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive ports free now (a distributed group's
+    ranks bind the port given and the ones after it). Below the kernel's range
+    of ephemeral ports (32768 up on Linux, 49152 up on macOS): there, any
+    connection of another test may take the one after a free_port() meanwhile."""
+    while True:
+        first = random.randrange(20000, 32768 - count)
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(first, first + count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return first
 
 
 def wait_for(predicate, timeout: float, what, interval: float = 0.02) -> float:

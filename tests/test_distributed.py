@@ -6,7 +6,6 @@ single-process output, token for token."""
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import os
 import shutil
@@ -22,7 +21,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from protocol import EXIT_LOAD_FAILED
-from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, free_port, running, wait_for
+from tests.conftest import MLXD, MODEL_NAME, ROOT, Server, free_port, free_ports, running, wait_for
 from tests.reference import Reference
 from tests.test_embeddings import expected as expected_embedding
 from tests.test_restarts import StreamReader
@@ -41,7 +40,7 @@ LONG_PROMPT = " ".join(["Numbers 0 1 2 3 4 5 6 7 8 9 and symbols ! ? , . : ;"] *
 
 def group_args(model, *extra: str) -> list[str]:
     return ["serve", "--model", str(model), "--served-model-name", MODEL_NAME, "--heartbeat-s", "0.1",
-            "--distributed-hosts", "127.0.0.1,127.0.0.1", "--distributed-port", str(free_port()),
+            "--distributed-hosts", "127.0.0.1,127.0.0.1", "--distributed-port", str(free_ports(2)),
             "--max-batch", "4", "--prefill-chunk", str(CHUNK), *extra]
 
 
@@ -308,7 +307,7 @@ def test_a_drain_stops_every_rank(tiny_model, tmp_path, stop):
                      tmp_path / "gateway.log")
     worker = subprocess.Popen(
         [*MLXD, "worker", "--model", str(tiny_model), "--worker-endpoint", endpoint, "--drain-s", "0.5",
-         "--distributed-hosts", "127.0.0.1,127.0.0.1", "--distributed-port", str(free_port())],
+         "--distributed-hosts", "127.0.0.1,127.0.0.1", "--distributed-port", str(free_ports(2))],
         cwd=ROOT, stdout=open(tmp_path / "worker.log", "wb"), stderr=subprocess.STDOUT, process_group=0,
     )
     try:
@@ -345,7 +344,8 @@ def test_ranks_that_would_run_other_steps_do_not_start(tiny_model, tmp_path, dif
     else:
         flags = ("--max-batch", "2")
     hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
+    first = free_ports(2)
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{first}"], [f"127.0.0.1:{first + 1}"]]))
     ranks = [subprocess.Popen([*MLXD, "worker", "--model", str(model), "--worker-endpoint", f"ipc://{tmp_path}/w.sock",
                                "--distributed-hosts", "127.0.0.1,127.0.0.1", *extra],
                               cwd=ROOT, env={**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)},
@@ -380,11 +380,8 @@ def test_a_rank_that_cannot_join_the_group_gives_its_reason(tiny_model):
     launcher tells the reason: `mlxd serve` stops with it (it said only "see
     the worker's log")."""
     with socket.socket() as taken:
-        while True:  # a port whose next one is free, rank 1's then
-            port = free_port()
-            with contextlib.suppress(OSError):
-                taken.bind(("127.0.0.1", port + 1))
-                break
+        port = free_ports(2)
+        taken.bind(("127.0.0.1", port + 1))  # rank 1's
         taken.listen()
         done = subprocess.run([*MLXD, "serve", "--preload", "--model", str(tiny_model), "--port", str(free_port()),
                                "--distributed-hosts", "127.0.0.1,127.0.0.1", "--distributed-port", str(port)],
