@@ -74,9 +74,10 @@ lint: install-test
 	$(VENV)/bin/ruff check gateway worker protocol tests
 	$(VENV)/bin/mypy
 
-# Two test processes (pytest-xdist), each taking whole files: the tests mostly
-# wait on the servers they start, so two share two cores well (7 to 8 minutes
-# here against 10 to 11 for one). TEST_WORKERS=0 runs them in this process.
+# Two test processes (pytest-xdist), each taking whole files: 10 to 11 minutes
+# here. Both cores stay busy throughout (much of it starting the servers the
+# tests drive, about 3 CPU-seconds each, most of that importing transformers
+# and mlx-lm), so a third process saved a tenth and thinned timing margins. TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 test: install-test model agents chromium
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
