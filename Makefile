@@ -77,7 +77,8 @@ lint: install-test
 # Two test processes (pytest-xdist), each taking whole files: 10 to 11 minutes
 # here. Both cores stay busy throughout (much of it starting the servers the
 # tests drive, about 3 CPU-seconds each, most of that importing transformers
-# and mlx-lm), so a third process saved a tenth and thinned timing margins. TEST_WORKERS=0 runs them in this process.
+# and mlx-lm), so a third process saved a tenth and thinned timing margins.
+# TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 test: install-test model agents chromium
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
