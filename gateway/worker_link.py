@@ -435,9 +435,9 @@ class WorkerLink:
                 del self._tokenizer_loads[digest]
                 if not task.cancelled() and task.exception() is None and not gc.get_freeze_count():
                     # transformers and the first tokenizer leave some 90,000 objects that live as long as
-                    # the process, and each full collection walked them all: 40-110 ms (measured) in which
-                    # no stream moved. Frozen, collections walk only what came after. Once: what requests
-                    # in flight at a later load hold would be frozen too, and a cycle of theirs never freed.
+                    # the process, and each full collection walked them all: 40-130 ms here, in which no
+                    # stream moved. Frozen, collections walk only what came after. Once, while few requests
+                    # or none are in flight: what theirs hold is frozen too, and a cycle of it never freed.
                     gc.freeze()
                 if not task.cancelled():
                     task.exception()  # seen here, whether or not a Hello still waits for it
