@@ -59,7 +59,7 @@ def ensure_private_dir(path: Path) -> None:
 
 
 # A plain int: `&` with pyzmq's enum member makes a new enum member every time
-# (1 µs against 0.09; a few times per worker step).
+# (1 µs against 0.09 µs; a few times per worker step).
 _POLLIN = int(zmq.POLLIN)
 
 

@@ -30,7 +30,6 @@ carrying it at once.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from collections import Counter, deque
@@ -146,6 +145,7 @@ class WorkerLink:
         curve_authorized_keys: str | None = None,
         on_unhealthy: Callable[[int], None] | None = None,
         served_model_name: Sequence[str] = (),
+        on_tokenizer: Callable[[], None] = lambda: None,
     ) -> None:
         self.transport = Transport(endpoint, curve_secret_key, curve_authorized_keys)
         self.worker_timeout_s = worker_timeout_s
@@ -154,6 +154,7 @@ class WorkerLink:
         # Called with the pid of a worker hung or unresponsive for
         # --hung-worker-s; `mlxd serve` kills it there and starts another.
         self.on_unhealthy = on_unhealthy
+        self.on_tokenizer = on_tokenizer  # called on the event loop when a tokenizer has loaded
         self.workers: dict[bytes, WorkerState] = {}  # by identity, oldest first
         self._given_up: set[bytes] = set()  # workers lost to liveness, refused should they speak again
         self.served_model_name = list(served_model_name)
@@ -433,14 +434,9 @@ class WorkerLink:
 
             def loaded(task: asyncio.Future[Tokenizer]) -> None:
                 del self._tokenizer_loads[digest]
-                if not task.cancelled() and task.exception() is None and not gc.get_freeze_count():
-                    # transformers and the first tokenizer leave some 90,000 objects that live as long as
-                    # the process, and each full collection walked them all: 40-130 ms here, in which no
-                    # stream moved. Frozen, collections walk only what came after. Once, while few requests
-                    # or none are in flight: what theirs hold is frozen too, and a cycle of it never freed.
-                    gc.freeze()
-                if not task.cancelled():
-                    task.exception()  # seen here, whether or not a Hello still waits for it
+                # The exception is seen here, whether or not a Hello still waits for it.
+                if not task.cancelled() and task.exception() is None:
+                    self.on_tokenizer()
 
             loading.add_done_callback(loaded)
         return await asyncio.shield(loading)  # one Hello's answer cancelled must not cancel the others'

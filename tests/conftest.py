@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
@@ -49,7 +50,9 @@ def free_ports(count: int) -> int:
             try:
                 for port in range(first, first + count):
                     held.enter_context(socket.socket()).bind(("127.0.0.1", port))
-            except OSError:
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise
                 continue
         return first
 

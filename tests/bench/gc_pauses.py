@@ -60,6 +60,7 @@ def main() -> None:
     path = os.pathsep.join(p for p in (str(work / "hook"), os.environ.get("PYTHONPATH")) if p)
     env = {"PYTHONPATH": path, "MLXD_GC_PAUSES_DIR": str(work / "pauses")}
     with http_system("mlxd", model_dir, args.streams, env=env) as server:
+        # Outside the window: the first requests import what serving needs, once (load warms up again, briefly).
         asyncio.run(load(server.url, server.model, args.streams, args.streams, 8, server.extra))
         began = time.monotonic()
         result = asyncio.run(load(server.url, server.model, args.streams, args.requests, 64, server.extra))
