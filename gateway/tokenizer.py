@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import inspect
 import json
 import os
@@ -33,7 +32,7 @@ from gateway.call_ids import Style, call_id_style, fit_call_ids
 from gateway.parsing import detect_reasoning, detect_tool_family
 from gateway.pixtral import PixtralProcessor
 from protocol import Tensor
-from protocol.codec import TENSOR_DTYPES, images_key
+from protocol.codec import TENSOR_DTYPES, files_digest, images_key
 
 if TYPE_CHECKING:
     from transformers import ProcessorMixin
@@ -119,13 +118,6 @@ def _system_first(messages: list[dict]) -> list[dict]:
         parts = [[{"type": "text", "text": c}] if isinstance(c, str) else c for c in contents]
         joined = [part for i, p in enumerate(parts) for part in ([{"type": "text", "text": "\n\n"}] if i else []) + p]
     return [{"role": "system", "content": joined}, *(m for m in messages if m["role"] != "system")]
-
-
-def files_digest(files: dict[str, bytes]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(files):
-        h.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
-    return h.hexdigest()
 
 
 def load_processor(directory: str, tokenizer: Any) -> ProcessorMixin | PixtralProcessor:

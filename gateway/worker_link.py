@@ -41,7 +41,7 @@ from gateway.affinity import PrefixIndex, prefix_blocks
 from gateway.liveness import UNHEALTHY, Liveness, Vitals
 from gateway.output_processor import OutputProcessor, RequestState
 from gateway.sampling_defaults import SamplingDefaults, sampling_defaults
-from gateway.tokenizer import Tokenizer, files_digest
+from gateway.tokenizer import Tokenizer
 from gateway.tool_formats import ToolFormat, load_tool_format
 from gateway.transport import Transport
 from protocol import (
@@ -66,6 +66,7 @@ from protocol import (
     decode_from_worker,
     hello_version,
 )
+from protocol.codec import files_digest
 
 log = logging.getLogger("mlxd.gateway.link")
 
@@ -174,7 +175,7 @@ class WorkerLink:
         # Hellos being answered, by identity: loading a tokenizer takes a
         # while, and the worker says Hello again until it is welcomed.
         self._accepting: dict[bytes, asyncio.Task] = {}
-        self._tokenizer_loads: dict[str, asyncio.Future[Tokenizer]] = {}  # by the files' digest
+        self._tokenizer_loads: dict[bytes, asyncio.Future[Tokenizer]] = {}  # by the files' digest
 
     def bind(self) -> None:
         """Take the endpoint (see Transport.bind)."""

@@ -40,6 +40,16 @@ def images_key(buffers: Sequence[Any]) -> int:
     return -1 - int.from_bytes(h.digest()[:7], "little")
 
 
+def files_digest(files: dict[str, bytes]) -> bytes:
+    """One digest of named files' contents, whatever their order: a worker's
+    tokenizer files, by which the gateway shares one load and the worker files
+    its identity."""
+    digest = hashlib.sha256()
+    for name, data in sorted(files.items()):
+        digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    return digest.digest()
+
+
 def tensor_nbytes(tensor: Tensor) -> int:
     n = TENSOR_DTYPES[tensor.dtype]
     for dim in tensor.shape:

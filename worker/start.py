@@ -22,6 +22,7 @@ import mlx.core as mx
 import zmq
 
 from protocol import EXIT_LOAD_FAILED, PROTOCOL_VERSION, Hello, LoadFailed, encode
+from protocol.codec import files_digest
 from protocol.packages import MLX_PACKAGES, installed_version
 from protocol.worker_settings import WorkerSettings, model_source, split_model
 from worker.audit import AffinityAudit
@@ -230,14 +231,6 @@ def rank_setup(loaded: LoadedModel, settings: WorkerSettings) -> dict[str, str]:
 
 def _digest(value: object) -> str:
     return hashlib.sha256(repr(value).encode()).hexdigest()
-
-
-def files_digest(files: dict[str, bytes]) -> bytes:
-    """One digest of named files' contents, whatever their order."""
-    digest = hashlib.sha256()
-    for name, data in sorted(files.items()):
-        digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
-    return digest.digest()
 
 
 def model_identity(loaded: LoadedModel) -> bytes:

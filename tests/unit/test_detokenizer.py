@@ -1,6 +1,7 @@
 import pytest
 
-from gateway.tokenizer import IncrementalDetokenizer, Tokenizer, files_digest
+from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
+from protocol.codec import files_digest
 from tests.tiny_model import CORPUS
 
 
