@@ -89,6 +89,7 @@ bench: install-test model
 	$(PY) -m tests.bench.cpu_share
 	$(PY) -m tests.bench.long_prompt_stall
 	$(PY) -m tests.bench.gc_pauses
+	$(PY) -m tests.bench.join_cost
 	$(PY) -m tests.bench.embed_stall
 	$(PY) -m tests.bench.embed_stall --inputs 4 --tokens 2000
 	$(PY) -m tests.bench.ab --model "$$($(VENV)/bin/mlxd prepare-model)" --b OPENBLAS_NUM_THREADS=1 \

@@ -58,6 +58,19 @@ class _Joining(GenerationBatch):
 class _Prompts(PromptProcessingBatch):
     """mlx-lm's prompt batch, handing over rows as _Joining."""
 
+    def split(self, indices: list[int]) -> PromptProcessingBatch:
+        """mlx-lm's split deep-copies the whole batch (every layer's KV state)
+        and filters both copies; when every row leaves, which is how a request
+        that arrived alone moves on, they are handed over as they are. That
+        copy was about half a decode step of every text request's join."""
+        if len(indices) < len(self.uids):
+            return super().split(indices)
+        leaving = self.__class__.__new__(self.__class__)
+        leaving.__dict__.update(self.__dict__)
+        self.uids, self.prompt_cache, self.tokens, self.stop_sequences = [], [], [], []
+        self.samplers, self.logits_processors, self.max_tokens = [], [], []
+        return leaving
+
     def generate(self, tokens: list[list[int]]) -> GenerationBatch:
         if any(len(t) > 1 for t in tokens):
             self.prompt([t[:-1] for t in tokens])
@@ -78,10 +91,23 @@ class _Running(GenerationBatch):
         super().__init__(*args, **kwargs)
         self._joined: set[int] = set()
 
+    # A row joining or leaving re-lays out every row's KV state (mlx-lm
+    # concatenates, pads and gathers). Started at once, that copy runs while
+    # the turn goes on; left lazy, it ran inside the next decode step, which
+    # every stream waits for.
     def extend(self, batch: GenerationBatch) -> None:
         super().extend(batch)
         if isinstance(batch, _Joining):
             self._joined.update(batch.uids)
+        self._start_layout()
+
+    def filter(self, keep: list[int]) -> None:
+        super().filter(keep)
+        if keep:
+            self._start_layout()
+
+    def _start_layout(self) -> None:
+        mx.async_eval([c.state for c in self.prompt_cache], self._next_tokens)
 
     def next(self) -> list[GenerationBatch.Response]:
         responses = super().next()
