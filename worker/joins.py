@@ -71,6 +71,17 @@ class _Prompts(PromptProcessingBatch):
         self.samplers, self.logits_processors, self.max_tokens = [], [], []
         return leaving
 
+    def prompt(self, tokens: list[list[int]]) -> None:
+        """Prompts of one length that fit one pass (a request that arrived
+        alone) are run without waiting for the pass: mlx-lm's own evaluates
+        it there and then, holding back the step's tokens already decoded."""
+        if not tokens or len({len(t) for t in tokens}) > 1 or len(tokens[0]) > self.prefill_step_size:
+            return super().prompt(tokens)
+        for held, more in zip(self.tokens, tokens):
+            held += more
+        self.model(mx.array(tokens), cache=self.prompt_cache)
+        mx.async_eval([c.state for c in self.prompt_cache])
+
     def generate(self, tokens: list[list[int]]) -> GenerationBatch:
         if any(len(t) > 1 for t in tokens):
             self.prompt([t[:-1] for t in tokens])
