@@ -21,6 +21,10 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch, StopSequences
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+# Prompts up to this long, of a request that arrived alone, are prefilled
+# without waiting for the pass (see _Prompts.prompt).
+UNAWAITED_PROMPT_TOKENS = 512
+
 # The log-probabilities of the step that returns a joining row's last prompt
 # token; that step's output for the row is dropped, so nothing reads them.
 _UNREAD = mx.array(0.0)
@@ -60,10 +64,12 @@ class _Prompts(PromptProcessingBatch):
 
     def split(self, indices: list[int]) -> PromptProcessingBatch:
         """mlx-lm's split deep-copies the whole batch (every layer's KV state)
-        and filters both copies; when every row leaves, which is how a request
-        that arrived alone moves on, they are handed over as they are. That
-        copy was about half a decode step of every text request's join."""
-        if len(indices) < len(self.uids):
+        and filters both copies. A request that arrived alone moves on alone,
+        and is handed over as it is: that copy was about half a decode step of
+        every such join. (One row merged and prefilled alone has no left
+        padding, so the filter, which trims what every row pads, had nothing
+        to trim.)"""
+        if len(self.uids) != 1 or indices != [0]:
             return super().split(indices)
         leaving = self.__class__.__new__(self.__class__)
         leaving.__dict__.update(self.__dict__)
@@ -72,13 +78,14 @@ class _Prompts(PromptProcessingBatch):
         return leaving
 
     def prompt(self, tokens: list[list[int]]) -> None:
-        """Prompts of one length that fit one pass (a request that arrived
-        alone) are run without waiting for the pass: mlx-lm's own evaluates
-        it there and then, holding back the step's tokens already decoded."""
-        if not tokens or len({len(t) for t in tokens}) > 1 or len(tokens[0]) > self.prefill_step_size:
+        """A short prompt of a request that arrived alone is run without
+        waiting for the pass: mlx-lm's own evaluates it there and then, which
+        holds back the tokens the step already decoded and leaves the GPU idle
+        while the next step is built. Longer passes keep mlx-lm's way, which
+        gives their activations back to the system at once."""
+        if len(tokens) != 1 or len(tokens[0]) > UNAWAITED_PROMPT_TOKENS:
             return super().prompt(tokens)
-        for held, more in zip(self.tokens, tokens):
-            held += more
+        self.tokens[0] += tokens[0]
         self.model(mx.array(tokens), cache=self.prompt_cache)
         mx.async_eval([c.state for c in self.prompt_cache])
 
@@ -105,23 +112,22 @@ class _Running(GenerationBatch):
     # A row joining or leaving re-lays out every row's KV state (mlx-lm
     # concatenates, pads and gathers). Started at once, that copy runs while
     # the turn goes on; left lazy, it ran inside the next decode step, which
-    # every stream waits for.
+    # every stream waits for. (Only in a step: an abort's filter stays lazy,
+    # so that what the copy costs fails a step, which the worker survives.)
     def extend(self, batch: GenerationBatch) -> None:
         super().extend(batch)
         if isinstance(batch, _Joining):
             self._joined.update(batch.uids)
         self._start_layout()
 
-    def filter(self, keep: list[int]) -> None:
-        super().filter(keep)
-        if keep:
-            self._start_layout()
-
     def _start_layout(self) -> None:
         mx.async_eval([c.state for c in self.prompt_cache], self._next_tokens)
 
     def next(self) -> list[GenerationBatch.Response]:
+        rows = len(self.uids)
         responses = super().next()
+        if 0 < len(self.uids) < rows:  # some finished and left
+            self._start_layout()
         if self._joined:
             responses = [r for r in responses if r.uid not in self._joined]
             self._joined.clear()
