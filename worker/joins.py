@@ -73,8 +73,7 @@ class _Prompts(PromptProcessingBatch):
             return super().split(indices)
         leaving = self.__class__.__new__(self.__class__)
         leaving.__dict__.update(self.__dict__)
-        self.uids, self.prompt_cache, self.tokens, self.stop_sequences = [], [], [], []
-        self.samplers, self.logits_processors, self.max_tokens = [], [], []
+        self._let_go()
         return leaving
 
     def prompt(self, tokens: list[list[int]]) -> None:
@@ -97,9 +96,13 @@ class _Prompts(PromptProcessingBatch):
             self.tokens, self.samplers, self.fallback_sampler, self.logits_processors, self.stop_sequences,
             self.max_tokens,
         )
-        self.uids, self.prompt_cache, self.tokens = [], [], []
-        self.samplers, self.logits_processors, self.max_tokens = [], [], []
+        self._let_go()
         return joining
+
+    def _let_go(self) -> None:
+        """Empty of rows: they have moved on, and these lists are theirs now."""
+        self.uids, self.prompt_cache, self.tokens, self.stop_sequences = [], [], [], []
+        self.samplers, self.logits_processors, self.max_tokens = [], [], []
 
 
 class _Running(GenerationBatch):

@@ -254,7 +254,7 @@ def test_the_ledgers_kv_charge_covers_what_the_batch_holds(loaded):
     charged = batch_kv(footprint, [length + max_tokens for length in lengths])
     # Within a step's passing arrays (the ledger charges KV state, not a step's activations).
     assert held <= 1.1 * charged, f"the batch held {held} bytes, the ledger charged {charged}"
-    # Until then both layouts are held, as inside the step that copied them before the copy started
-    # at once (the peak is the same); never more.
+    # Until then the old layout and the new are both held (as they were inside the next step, when
+    # the copy ran there: the peak is the same), and no more than that.
     assert relaid <= 2.2 * charged, f"a join's copy held {relaid} bytes, the ledger charged {charged}"
     assert held > 4 * sum(footprint.bytes_for(length + max_tokens) for length in lengths)  # the old charge
