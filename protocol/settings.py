@@ -9,6 +9,7 @@ that text is its `--help`.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 from collections.abc import Mapping
@@ -20,6 +21,9 @@ import msgspec.inspect as mi
 S = TypeVar("S", bound=msgspec.Struct)
 
 
+# Cached: msgspec builds a struct's whole type info on every call (some ms for a
+# large settings struct), and every field's variable name is looked up here.
+@functools.cache
 def _fields(settings_type: type[msgspec.Struct]) -> tuple[mi.Field, ...]:
     info = mi.type_info(settings_type)
     assert isinstance(info, mi.StructType)
