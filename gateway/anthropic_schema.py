@@ -28,7 +28,8 @@ class TextBlock(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fie
 
 
 class Base64Source(msgspec.Struct, tag_field="type", tag="base64", forbid_unknown_fields=True):
-    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    # Anthropic's four, and AVIF, which the gateway decodes from any source (the bytes say what they are).
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp", "image/avif"]
     data: str
 
 

@@ -5,7 +5,7 @@ its `Renderer`, the dialect's hooks. `Serving.respond` then: checks the model
 name, takes a lease on the model from the pool (loading it if need be) and
 waits (bounded) for a ready worker, tokenizes (a long prompt in a thread),
 checks the context, builds the samplings, and runs the request through
-`generate` — the async iterator that admits it, reserves its KV memory,
+`generate` — the async iterator that reserves its KV memory,
 submits it, yields its Deltas, and in its `finally` aborts whatever still
 runs in the worker and releases the lease — into SSE events or one body,
 through the Renderer.

@@ -39,9 +39,11 @@ class GatewaySettings(LogSettings, kw_only=True):
         float,
         Meta(
             gt=0,
-            description="a worker whose step counter stalls this long while requests run, using less than half "
-            "a core meanwhile (ten times as long if it uses more: a long step on MLX's CPU backend), or that "
-            "stays unresponsive this long, is hung; `mlxd serve` then kills and restarts it",
+            description="a worker whose step counter stalls this long while requests run or wait to be "
+            "prefilled, using less than half a core meanwhile (ten times as long if it uses more: a long step "
+            "on MLX's CPU backend), is hung; one that stays hung or unresponsive this long more is given up "
+            "on (its streams move to another worker); `mlxd serve` kills a hung or given-up worker and "
+            "restarts it",
         ),
     ] = 60.0
     drain_s: Annotated[

@@ -47,8 +47,8 @@ class WorkerSettings(LogSettings, kw_only=True):
         str,
         Meta(
             description="model to serve, as SOURCE or NAME=SOURCE (NAME: what clients ask for; default: "
-            "SOURCE): an mlx-lm model directory, a .gguf file, or a Hugging Face repo id (default: the "
-            "embedded SmolLM2-135M-Instruct)"
+            "SOURCE): an mlx-lm model directory, a .gguf file, a Hugging Face repo id, or the NAME of a model "
+            "`mlxd pull` fetched (default: the embedded SmolLM2-135M-Instruct)"
         ),
     ] = ""
     worker_endpoint: Annotated[

@@ -2,11 +2,17 @@
 one role are one turn, as Anthropic joins them; thinking is off unless the
 request asks for it, and comes back only where it was asked for."""
 
+import asyncio
+import base64
+import io
+
 import msgspec
+from PIL import Image
 
 from gateway.anthropic_api import chat_input, signature_of, thinking_blocks
 from gateway.anthropic_schema import MessagesRequest
-from gateway.images import IMAGE_LEFT_OUT
+from gateway.images import IMAGE_LEFT_OUT, ImageLoader
+from gateway.settings import GatewaySettings
 
 
 def request(**fields) -> MessagesRequest:
@@ -30,6 +36,16 @@ def test_consecutive_messages_of_one_role_are_one_turn():
     assert [p.get("text") for p in prompt.messages[0]["content"]] == ["First.", "Second.", None]
     assert prompt.messages[1]["tool_calls"][0]["function"]["name"] == "f"
     assert [image.param for image in prompt.images] == ["messages[1].content[1].source"]
+
+
+def test_an_avif_image_block_is_decoded_as_the_other_formats_are():
+    avif = io.BytesIO()
+    Image.new("RGB", (8, 6), (0, 0, 255)).save(avif, "AVIF")
+    source = {"type": "base64", "media_type": "image/avif", "data": base64.b64encode(avif.getvalue()).decode()}
+    prompt = chat_input(request(messages=[{"role": "user", "content": [{"type": "image", "source": source}]}]))
+    loader = ImageLoader(GatewaySettings())
+    [image] = asyncio.run(loader.load(prompt.images))
+    assert image.size == (8, 6) and image.mode == "RGB"
 
 
 def test_thinking_is_off_unless_asked_for_and_shown_only_then():
