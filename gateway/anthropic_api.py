@@ -180,6 +180,7 @@ def messages_plan(body: MessagesRequest) -> Plan:
         or not choice.disable_parallel_tool_use,
         json_output=output_format is not None,
         json_schema=output_format.schema if output_format is not None else None,
+        json_schema_param="output_config.format",
         keep_alive_s=keep_alive_seconds(body.keep_alive),
     )
 

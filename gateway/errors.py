@@ -112,6 +112,9 @@ def decode_body(body: bytes, request_type: type):
         raise invalid(e) from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"The body is not valid JSON: {e}", code="invalid_json") from None
+    except UnicodeDecodeError as e:  # a string's bytes (a Latin-1 body's "café")
+        raise APIError(400, f"The body is not valid UTF-8: a string holds the byte {e.object[e.start]:#04x}",
+                       code="invalid_json") from None
     except RecursionError:
         raise APIError(400, "The body's JSON is nested too deeply", code="invalid_json") from None
 
@@ -135,6 +138,9 @@ def invalid(error: msgspec.ValidationError, under: str = "") -> APIError:
     if unknown:
         name = f"{param}.{unknown.group(1)}" if param else unknown.group(1)
         return APIError(400, f"Unsupported parameter: '{name}'", param=name, code="unsupported_parameter")
+    # A body converted from plain JSON (Ollama's) has no names for its keys: `$[...][1][...]` helps no one.
+    if match and match.group(1).startswith("[...]"):
+        return APIError(400, _PATH.sub("", message), param=under or None)
     if under:
         message = _PATH.sub(f" - at `{param}`", message) if match else f"{message} - at `{param}`"
     return APIError(400, message, param=param)

@@ -118,6 +118,8 @@ def sampling(options: Options | None) -> tuple[SamplingParams, list[str], int | 
     if o.num_predict == 0:
         raise APIError(400, "options.num_predict must be positive, -1 (no limit) or -2 (fill the context)",
                        param="options.num_predict")
+    if o.temperature is not None and not math.isfinite(o.temperature):  # "inf", a string the lax decoding takes
+        raise APIError(400, "options.temperature must be a finite number", param="options.temperature")
     # Clients that map OpenAI's fields onto these send a frequency_penalty of 0 as a repeat_penalty of 0.
     repeat_penalty = o.repeat_penalty if o.repeat_penalty is None or o.repeat_penalty > 0 else 1.0
     params = SamplingParams(temperature=o.temperature, top_p=None if o.top_p is None else min(o.top_p, 1.0),
@@ -189,7 +191,7 @@ def plan(model: str, prompt: ChatInput | str, options: Options | None, fmt: str 
     functions = [function_tool(t.function.name, t.function.description, t.function.parameters) for t in tools or []]
     return Plan(model=model, prompt=prompt, sampling=params, stops=stops, stream=stream, max_tokens=max_tokens,
                 max_tokens_param="options.num_predict", tools=tool_definitions(functions, "auto"),
-                json_output=json_output, json_schema=schema, messages_param=param,
+                json_output=json_output, json_schema=schema, json_schema_param="format", messages_param=param,
                 keep_alive_s=keep_alive_seconds(keep_alive),
                 # Ollama refuses it for a model that does not think, and clients retry without it.
                 thinking_param="think" if think not in (None, False) else None)

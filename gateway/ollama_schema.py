@@ -99,6 +99,7 @@ class EmbedRequest(msgspec.Struct):
     truncate: bool = True
     dimensions: Annotated[int, Meta(ge=1)] | None = None
     keep_alive: KeepAlive = None
+    options: dict[str, Any] | None = None  # none of them means anything to an embedding here
 
 
 class EmbeddingsRequest(msgspec.Struct):
@@ -107,11 +108,13 @@ class EmbeddingsRequest(msgspec.Struct):
     model: Annotated[str, Meta(min_length=1)]
     prompt: str = ""  # none: load the model
     keep_alive: KeepAlive = None
+    options: dict[str, Any] | None = None  # none of them means anything to an embedding here
 
 
 class ShowRequest(msgspec.Struct):
     model: str = ""
     name: str = ""  # what older clients send
+    verbose: bool = False  # the tokenizer's whole vocabulary in model_info: not given here
 
 
 # ---- responses --------------------------------------------------------------

@@ -284,6 +284,7 @@ def responses_plan(body: CreateResponse, previous: StoredResponse | None, offere
         json_output=isinstance(text_format, (ResponseFormatJSONObject, TextFormatJSONSchema)),
         json_schema=text_format.schema if isinstance(text_format, TextFormatJSONSchema) else None,
         json_schema_strict=isinstance(text_format, TextFormatJSONSchema) and text_format.strict is True,
+        json_schema_param="text.format",
         keep_alive_s=keep_alive_seconds(body.keep_alive),
     )
 

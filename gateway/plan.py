@@ -117,6 +117,7 @@ class Plan:
     json_output: bool = False  # the output must be JSON ...
     json_schema: dict | None = None  # ... following this schema, when there is one
     json_schema_strict: bool = False  # a keyword the grammar cannot enforce is a 400 (else it goes unenforced)
+    json_schema_param: str = "response_format"  # the body's name for the output's format, for errors
     messages_param: str = "messages"  # the body's name for the conversation, for errors
     keep_alive_s: float | None = None  # how long the model stays loaded once idle (None: --keep-alive)
     # The parameter that asked the model to think, where one that cannot is a 400 (Ollama's `think`).
@@ -144,11 +145,12 @@ class Plan:
         if self.calls_beside_json(tool_family):
             assert self.tools is not None and tool_family is not None
             return answer_grammar(self.tools, tool_family, tokens, answer_schema=answer,
-                                  strict=self.json_schema_strict, thinking=thinking)
-        if thinking is not None:
-            return answer_grammar([], "", tokens, answer_schema=answer, strict=self.json_schema_strict,
+                                  answer_param=self.json_schema_param, strict=self.json_schema_strict,
                                   thinking=thinking)
-        return json_schema_grammar(self.json_schema, strict=self.json_schema_strict)
+        if thinking is not None:
+            return answer_grammar([], "", tokens, answer_schema=answer, answer_param=self.json_schema_param,
+                                  strict=self.json_schema_strict, thinking=thinking)
+        return json_schema_grammar(self.json_schema, self.json_schema_param, strict=self.json_schema_strict)
 
     def calls_beside_json(self, tool_family: str | None) -> bool:
         """Whether a JSON response_format leaves the model its tools: where their

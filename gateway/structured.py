@@ -314,20 +314,22 @@ class Thinking:
 
 
 def answer_grammar(tools: list[dict], family: str, tokens: Mapping[str, int] | None = None,
-                   param: str = "tool_choice", answer_schema: dict | None = None, strict: bool = False,
+                   param: str = "tool_choice", answer_schema: dict | None = None,
+                   answer_param: str = "response_format", strict: bool = False,
                    thinking: Thinking | None = None) -> str:
     """Output that is exactly one call of one of `tools`, in the model's own
     tool-call format (one of FAMILY_OF_PARSER's values); `tokens`: the model's
     added tokens, by text. With `answer_schema` (a JSON response_format, beside
     tools the model may call or alone), that JSON answer instead of a call is
-    allowed too. With `thinking`, a reasoning block first (optional unless the
-    prompt opened it), then whitespace."""
+    allowed too (`answer_param`: the body's name for it, for errors). With
+    `thinking`, a reasoning block first (optional unless the prompt opened it),
+    then whitespace."""
     _bounded(tools, "tools")
     tokens = tokens or {}
     lazy: dict[tuple[str, str], str] = {}  # the tagged formats' text values, the reasoning
     rules = [_call_rule(tool, family, tokens, lazy) for tool in tools]
     if answer_schema is not None:
-        _bounded(answer_schema, "response_format")
+        _bounded(answer_schema, answer_param)
         rules.append(f"%json {json.dumps(_compact(answer_schema, strict))}")
     start = "answer"
     if thinking is not None:
@@ -340,6 +342,6 @@ def answer_grammar(tools: list[dict], family: str, tokens: Mapping[str, int] | N
     try:
         return _validated(llguidance.LLMatcher.grammar_from_lark(lark), param)
     except APIError:
-        if answer_schema is not None:  # the answer's own 400 where it is the cause, naming response_format
-            json_schema_grammar(answer_schema, strict=strict)
+        if answer_schema is not None:  # the answer's own 400 where it is the cause, naming its parameter
+            json_schema_grammar(answer_schema, answer_param, strict=strict)
         raise

@@ -235,6 +235,8 @@ class Tokenizer:
                 break
             except (TemplateError, TypeError, ValueError) as e:  # the last two: chat_template_kwargs it cannot use
                 error = error or e
+            except RecursionError:  # transformers and the template walk nested values recursively
+                raise PromptError("the messages or tools nest values too deeply for the chat template") from None
         else:
             raise PromptError(f"the model's chat template rejected these messages: {error}") from None
         assert isinstance(text, str)  # tokenize=False

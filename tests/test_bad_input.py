@@ -11,6 +11,9 @@ from tests.conftest import MODEL_NAME
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "Hi"}]
+# Deep enough for transformers' and the chat template's recursive walks, within the JSON decoder's bound.
+DEEP = b"[" * 900 + b"]" * 900
+
 
 CASES = [
     # (id, path, raw body or JSON, status, param)
@@ -54,6 +57,13 @@ CASES = [
     ("chat_template_kwargs with messages", CHAT, {"model": MODEL_NAME, "messages": USER, "chat_template_kwargs": {"messages": []}}, 400, "messages"),
     ("JSON nested too deeply", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"a": '
                                      + b"[" * 100_000 + b"]" * 100_000 + b"}}", 400, None),
+    ("body not UTF-8", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "caf\xe9"}]}', 400, None),
+    ("values nested too deeply for the chat template", CHAT,
+     b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"a": ' + DEEP + b"}}",
+     400, "messages"),
+    ("a tool's schema nested too deeply for the chat template", CHAT,
+     b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function", "function": '
+     b'{"name": "f", "parameters": {"type": "object", "default": ' + DEEP + b"}}}]}", 400, "messages"),
     ("stop as number", CHAT, {"model": MODEL_NAME, "messages": USER, "stop": 3}, 400, "stop"),
     ("stream as string", CHAT, {"model": MODEL_NAME, "messages": USER, "stream": "yes"}, 400, "stream"),
     ("unknown field", CHAT, {"model": MODEL_NAME, "messages": USER, "functions": []}, 400, "functions"),

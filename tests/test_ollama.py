@@ -256,6 +256,10 @@ def test_a_pinned_model_outlasts_a_clients_unload(tiny_model, tmp_path):
     ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"top_k": 2**64}}, 400, "top_k"),
     ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"stop": ["x"] * 17}}, 400, "stop"),
     ("/api/show", {"model": "nope"}, 404, "does not exist"),
+    ("/api/show", {"model": MODEL_NAME, "verbose": "very"}, 400, "verbose"),
+    ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"temperature": "inf"}}, 400, "temperature"),
+    ("/api/embed", {"model": MODEL_NAME, "input": "x", "options": "fast"}, 400, "options"),
+    ("/api/embeddings", {"model": MODEL_NAME, "prompt": "x", "options": []}, 400, "options"),
     # A tool in another API's flat shape, or nameless: a 500 from deep inside the grammar or the parser.
     ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "format": "json",
                    "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, 400, "tools[0]"),
@@ -267,6 +271,18 @@ def test_bad_input_gets_ollamas_error_shape(server, path, body, status, words):
     assert response.status_code == status, response.text
     error = response.json()
     assert list(error) == ["error"] and words in error["error"]
+
+
+@pytest.mark.parametrize("body, words", [
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "caf\xe9"}]}', "not valid UTF-8"),
+    # Inside a free-form object msgspec's path reads `$[...][1][...]`: left out of the message.
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", '
+     b'"tool_calls": [{"function": {"name": "f", "arguments": {"a": 1e400}}}]}]}', "Number out of range"),
+])
+def test_a_body_that_does_not_decode_gets_a_400_saying_why(server, body, words):
+    response = server.http.post("/api/chat", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and list(response.json()) == ["error"], response.text
+    assert words in response.json()["error"] and "[...]" not in response.json()["error"]
 
 
 def test_nulls_and_options_ollama_takes_are_taken(server, reference):

@@ -126,6 +126,8 @@ def test_a_response_not_stored_cannot_be_continued(client):
     ({"model": MODEL_NAME, "input": "x", "tools": [{"type": "function"}]}, "tools[0]"),
     ({"model": MODEL_NAME, "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"model": MODEL_NAME, "input": "x", "tool_choice": "required"}, "tool_choice"),
+    ({"model": MODEL_NAME, "input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "banana"}}}},
+     "text.format"),
 ])
 def test_bad_input_is_a_400_naming_the_parameter(server, body, param):
     r = server.http.post("/v1/responses", json=body)

@@ -148,7 +148,7 @@ class Engine:
         s = request.sampling
         if s.max_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1")
-        if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0 or not 0 <= s.min_p <= 1:
+        if not 0 <= s.temperature < math.inf or not 0 < s.top_p <= 1 or s.top_k < 0 or not 0 <= s.min_p <= 1:
             raise InvalidRequest(f"sampling parameters out of range: {s}")
         penalties = (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, *s.logit_bias.values())
         if not all(math.isfinite(p) for p in penalties) or s.repetition_penalty <= 0:
