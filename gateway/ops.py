@@ -24,7 +24,7 @@ from starlette.responses import HTMLResponse, Response
 
 from gateway.health import workers_status
 from gateway.responses import MsgspecResponse
-from gateway.serving import Serving
+from gateway.serving import PROMPTS_LOGGER, Serving
 from gateway.supervisor import WorkerSupervisor, local_pids
 
 SAMPLE_S = 2.0
@@ -39,14 +39,16 @@ CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'unsafe-inline'; styl
 
 
 class LogTail(logging.Handler):
-    """The gateway's latest log lines. Prompts and completions reach the log
-    only under --log-prompts; keys never do."""
+    """The gateway's latest log lines. Prompts and completions (in the log
+    under --log-prompts) never reach it; keys reach no log."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.lines: deque[dict[str, Any]] = deque(maxlen=LOG_LINES_KEPT)
 
     def emit(self, record: logging.LogRecord) -> None:
+        if record.name == PROMPTS_LOGGER:
+            return
         self.lines.append({"at": record.created, "level": record.levelname, "logger": record.name,
                            "message": record.getMessage()})
 

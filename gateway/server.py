@@ -143,6 +143,10 @@ def run_gateway(settings: GatewaySettings, worker_settings: Sequence[WorkerSetti
         port=settings.port,
         log_level=settings.log_level,
         access_log=False,
+        # A client without a key is its connection's address (per-client limits, who may cancel a
+        # request or read a stored response): a header must not choose it, as X-Forwarded-For from
+        # loopback, which uvicorn trusts by default, would.
+        proxy_headers=False,
         # The standard asyncio loop: under uvloop the gateway spent more CPU
         # per streamed token (0.072 s per 1000 against 0.05-0.06) and served
         # fewer tokens/s (tests/bench/cpu_share.py, 2026-11-25).

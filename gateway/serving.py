@@ -46,6 +46,10 @@ from gateway.worker_link import WorkerLink, WorkerState, WorkerUnavailable
 from protocol.worker_settings import model_source
 
 log = logging.getLogger("mlxd.gateway.api")
+# --log-prompts writes here: to the log, and never to the ops page's log tail,
+# which every API key may read where no admin key is set.
+PROMPTS_LOGGER = "mlxd.gateway.prompts"
+prompt_log = logging.getLogger(PROMPTS_LOGGER)
 T = TypeVar("T")
 # Up to this size a prompt is tokenized on the event loop: the hop to a thread
 # and back costs about what tokenizing a thousand characters does, while a long
@@ -355,7 +359,7 @@ class Serving:
             states.append(RequestState(rid, queue, prompt.token_ids, sampling, worker.tokenizer, plan.stops, index,
                                        parsers() if parsers else None, images=(prompt.tensors, prompt.arrays, prompt.images_key)))
         if self.settings.log_prompts:
-            log.info("%s prompt: %r", request_id, worker.tokenizer.decode(prompt.token_ids))
+            prompt_log.info("%s prompt: %r", request_id, worker.tokenizer.decode(prompt.token_ids))
         return RequestGroup(states, queue, ready_at)
 
     async def generate(self, request: Request, plan: Plan, group: RequestGroup, request_id: str,
@@ -464,7 +468,7 @@ class Serving:
 
     def _log_completion(self, request_id: str, texts: list[str]) -> None:
         if self.settings.log_prompts:
-            log.info("%s completion: %r", request_id, texts if len(texts) > 1 else texts[0])
+            prompt_log.info("%s completion: %r", request_id, texts if len(texts) > 1 else texts[0])
 
 
 async def tokenize(size: float, fn: Callable[..., T], *args: Any, param: str = "messages") -> T:

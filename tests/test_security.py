@@ -402,6 +402,9 @@ def test_logs_hold_no_prompts_or_keys_unless_asked(tiny_model, tmp_path, log_pro
         assert server.http.post("/v1/chat/completions", json=body, headers=headers).status_code == 200
         assert server.http.post("/v1/chat/completions", json=dict(body, bad=1), headers=headers).status_code == 400
         assert server.http.get("/v1/models", headers={"x-api-key": "wrong-key-narwhal"}).status_code == 401
+        # Without an admin key every API key reads the ops page's log tail: never another client's prompts.
+        tail = server.http.get("/admin/state", headers=headers).json()["log"]
+        assert tail and SECRET_PROMPT not in str(tail)
     finally:
         server.stop()
     log = server.log_path.read_text()
@@ -415,6 +418,17 @@ def test_anthropic_routes_take_x_api_key_and_answer_in_anthropic_shape(keyed):
     assert refused.status_code == 401
     assert refused.json() == {"type": "error", "error": {"type": "authentication_error", "message": refused.json()["error"]["message"]}}
     assert keyed.http.post("/v1/messages", json=body, headers={"x-api-key": "flag-key-1"}).status_code == 200
+
+
+def test_without_keys_a_client_is_its_address_whatever_x_forwarded_for_says(server):
+    """Who may read a stored response (or cancel a request, or hold the per-client limit) is, without
+    keys, the connection's address: a header sent from loopback must not pick another."""
+    stored = server.http.post("/v1/responses", json={"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 2},
+                              headers={"X-Forwarded-For": "10.0.0.7"})
+    assert stored.status_code == 200
+    path = f"/v1/responses/{stored.json()['id']}"
+    assert server.http.get(path).status_code == 200
+    assert server.http.get(path, headers={"X-Forwarded-For": "10.0.0.8"}).status_code == 200
 
 
 def test_without_keys_a_page_elsewhere_cannot_act_through_a_browser(server):
