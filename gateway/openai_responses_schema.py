@@ -116,7 +116,8 @@ class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
     name: str
 
 
-class TextFormatJSONSchema(msgspec.Struct, tag_field="type", tag="json_schema", forbid_unknown_fields=True):
+class TextFormatJSONSchema(msgspec.Struct, tag_field="type", tag="json_schema", forbid_unknown_fields=True,
+                           omit_defaults=True):  # echoed in the response, where a description is never null
     name: str
     schema: dict[str, Any]
     description: str | None = None
