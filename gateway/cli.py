@@ -91,8 +91,9 @@ def serve_main(argv: list[str]) -> int:
     add_arguments(parser, PoolSettings)
     parser.add_argument("--model", dest="model", action="append", default=None, help=(
         "a model to serve, as SOURCE or NAME=SOURCE (NAME: what clients ask for; default: SOURCE): an mlx-lm "
-        "model directory, a .gguf file, a Hugging Face repo id, or the NAME of a model `mlxd pull` fetched; repeatable, each model in a worker of its own "
-        "(default: the embedded SmolLM2-135M-Instruct) [env MLXD_MODEL, comma-separated]"))
+        "model directory, a .gguf file, a Hugging Face repo id, or the NAME of a model `mlxd pull` fetched; "
+        "repeatable, each model in a worker of its own (default: the embedded SmolLM2-135M-Instruct) "
+        "[env MLXD_MODEL, comma-separated]"))
     args = parser.parse_args(argv)
     runtime = tempfile.mkdtemp(prefix="mlxd-")
     args.worker_endpoint = f"ipc://{runtime}/worker.sock"
