@@ -256,6 +256,11 @@ class OutputProcessor:
 _TIMED_OUT = Delta("", -1, finish_reason="timeout")
 # What a group's keep-alive timer puts in its queue, and its reader passes on as it is.
 KEEPALIVE = Delta("", -1)
+# How long a stream ended from outside (a timeout, a cancel, the server
+# stopping) waits for its writer to take the error queued for it. A writer
+# held at a send to a client that reads no more never does; past this, its
+# response is cut, which gives back its slot among the requests in flight.
+STUCK_WRITER_S = 5.0
 
 
 def _plain(delta: Delta) -> bool:
@@ -275,6 +280,8 @@ class RequestGroup:
         # Ends its work at once, whether its reader reads or not (a client that stops reading holds the
         # reader at a send): its server's, which aborts it in the worker and gives its lease back.
         self.stop: Callable[[], None] = lambda: None
+        # Cuts its response off (a stream's: EventStream.cut), for a writer stuck at a send.
+        self.cut: Callable[[], None] = lambda: None
         # When its stream last wrote to the client (event-loop time): a Delta may write nothing (text a
         # parser holds back, omitted reasoning), so the keep-alive timer asks the writer.
         self.written_at = 0.0
@@ -304,11 +311,15 @@ class RequestGroup:
         shutdown): one for every choice, so that one still open gets it."""
         for state in self.states:
             self.queue.put_nowait(Delta("", state.index, finish_reason="error", error=message, error_status=status))
-        self.stop()
+        self._stop_from_outside()
 
     def _time_out(self) -> None:
         self.queue.put_nowait(_TIMED_OUT)
+        self._stop_from_outside()
+
+    def _stop_from_outside(self) -> None:
         self.stop()
+        asyncio.get_running_loop().call_later(STUCK_WRITER_S, self.cut)
 
     async def deltas(self, deadline: float | None = None, keepalive_s: float | None = None) -> AsyncIterator[Delta]:
         """Every Delta of every request until each has its final one.

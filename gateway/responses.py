@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncGenerator, AsyncIterable
 from typing import Any
 
@@ -10,6 +11,7 @@ import msgspec
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+log = logging.getLogger("mlxd.gateway.api")
 _encoder = msgspec.json.Encoder()
 SSE = "text/event-stream"
 NDJSON = "application/x-ndjson"
@@ -52,7 +54,8 @@ class EventStream(StreamingResponse):
 
     A client that hangs up cancels the stream. Starlette watches for that with
     an anyio task group per response, which cost a tenth of a streamed
-    request's CPU in the gateway; one asyncio task does the same here.
+    request's CPU in the gateway; one asyncio task does the same here. So
+    does `cut`, for a client that stopped reading.
     """
 
     def __init__(self, events: AsyncIterable[bytes], source: AsyncGenerator[Any], media_type: str = SSE) -> None:
@@ -61,25 +64,40 @@ class EventStream(StreamingResponse):
             events, media_type=media_type, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         self._source = source
+        self._streaming: asyncio.Task | None = None  # the task writing it, while it does
+        self._ended_here = False  # cancelled by its client's hang-up or a cut, not by the server stopping
+
+    def cut(self) -> None:
+        """End the response whose writer waits at a send to a client that
+        reads no more (its request has ended, but the error queued for it is
+        never taken): its request's slot and state are given back, and uvicorn
+        closes the connection. A no-op once the response has ended."""
+        if self._streaming is not None:
+            log.warning("a stream's client stopped reading after its request ended: its response is cut")
+            self._end_here(self._streaming)
+
+    def _end_here(self, streaming: asyncio.Task) -> None:
+        if not self._ended_here:  # once: a hang-up during a cut is the same end
+            self._ended_here = True
+            streaming.cancel()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streaming = asyncio.current_task()
         assert streaming is not None
-        hung_up = False
+        self._streaming = streaming
 
         async def hang_up() -> None:
-            nonlocal hung_up
             while (await receive())["type"] != "http.disconnect":
                 pass
-            hung_up = True
-            streaming.cancel()
+            self._end_here(streaming)
 
         watcher = asyncio.create_task(hang_up())
         try:
             await self.stream_response(send)
         except asyncio.CancelledError:
-            if not hung_up or streaming.uncancel() > 0:
+            if not self._ended_here or streaming.uncancel() > 0:
                 raise  # (also) cancelled from outside: the server is stopping
         finally:
+            self._streaming = None
             watcher.cancel()
             await self._source.aclose()

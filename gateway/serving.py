@@ -323,7 +323,9 @@ class Serving:
                 # Admitted, reserved and submitted before any 200: a refusal is still a 4xx/5xx.
                 opening = await anext(deltas)
                 streaming = True
-                return EventStream(self._events(renderer, group, opening, deltas), deltas, renderer.media_type)
+                stream = EventStream(self._events(renderer, group, opening, deltas), deltas, renderer.media_type)
+                group.cut = stream.cut
+                return stream
             try:
                 choices = await collect(request, deltas, len(group.states))
             except TimeoutError:

@@ -10,7 +10,8 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import MODEL_NAME
+from gateway.output_processor import STUCK_WRITER_S
+from tests.conftest import MODEL_NAME, wait_for
 
 LONG = {"model": MODEL_NAME, "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
 
@@ -85,3 +86,10 @@ def test_a_cancel_stops_the_work_of_a_client_that_stopped_reading(server):
         server.wait_running(lambda n: n == 0, timeout=1.0)
         server.assert_steps_stopped()
         assert server.health()["worker"]["steps"] - steps < 200, "the worker went on with the request"
+        # Its writer never takes the cancel's error: the response is cut, and the request (its slot among
+        # those in flight, its entry) is gone, while the client still holds its connection open.
+        wait_for(lambda: server.http.post(f"/v1/requests/{request_id}/cancel").status_code == 404,
+                 STUCK_WRITER_S + 5, "the stuck stream to be cut")
+        sock.settimeout(10)
+        while sock.recv(1 << 16):  # what the buffers held, then the end of the connection
+            pass

@@ -140,8 +140,12 @@ def test_nothing_of_a_choice_comes_after_its_final_delta(tokenizer):
 def test_end_reaches_the_reader_even_after_a_choice_finished(tokenizer):
     group = group_of(tokenizer, 2)
     group.queue.put_nowait(Delta("", 0, finish_reason="stop"))
-    group.end("the request was cancelled", 499)
-    deltas = asyncio.run(read(group))
+
+    async def ended() -> list[Delta]:  # on the event loop, as a cancel or the server's stop ends it
+        group.end("the request was cancelled", 499)
+        return await read(group)
+
+    deltas = asyncio.run(ended())
     assert deltas[-1].error == "the request was cancelled" and deltas[-1].index == 1
 
 
