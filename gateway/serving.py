@@ -396,6 +396,7 @@ class Serving:
                 if not lease.released:  # else it ended (a cancel, a drain) while room was made: its error is queued
                     for state in group.states:
                         self.link.submit(state, worker)
+                    self.metrics.prompt_tokens += group.prompt_tokens  # a request refused never ran its prompt
             except Unavailable as e:
                 raise refused(e) from None
             except WorkerUnavailable as e:
@@ -418,7 +419,6 @@ class Serving:
         finally:
             stop()
             del self.running[request_id]
-            self.metrics.prompt_tokens += group.prompt_tokens
             self.metrics.generation_tokens += group.completion_tokens
 
     async def _events(self, renderer: Renderer, group: RequestGroup, opening: Delta,

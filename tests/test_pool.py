@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import MLXD, ROOT, Server, free_port, running, wait_for
 from tests.reference import Reference
+from tests.test_metrics import scrape
 from tests.test_restarts import StreamReader
 from tests.tiny_model import make_tiny_model
 
@@ -365,10 +366,12 @@ def test_a_budget_too_small_for_a_requests_reservation_is_a_400_before_the_200(s
     wait_for(lambda: "choices" in complete(small_pool, "alpha"), 60, "alpha to load")
     assert small_pool.health()["pool"]["models"]["alpha"]["memory"]["weights"] == 492_800
     body = {"model": "alpha", "prompt": PROMPT, "max_tokens": 1200, "temperature": 0, "stream": True}
+    prompt_tokens = scrape(small_pool)["mlxd_prompt_tokens_total"]
     with small_pool.http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 400 and "retry-after" not in response.headers
         error = json.loads(response.read())["error"]
     assert error["code"] == "memory_budget_exceeded" and "lower max_tokens" in error["message"]
+    assert scrape(small_pool)["mlxd_prompt_tokens_total"] == prompt_tokens  # its prompt never ran
     # Nothing crashed, and a request that fits is answered.
     ref = Reference(models["alpha"])
     assert complete(small_pool, "alpha")["choices"][0]["text"] == ref.greedy(ref.text_prompt(PROMPT), 8).text
