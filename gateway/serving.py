@@ -141,6 +141,7 @@ class Serving:
         self.pool = pool  # the models `mlxd serve` runs (none under `mlxd gateway`)
         self.started = int(time.time())
         self.draining = False  # set on SIGTERM: no new requests
+        self.ended: str | None = None  # why end_all ended every request: none may start after it
         self.admission = Admission(settings.max_inflight, settings.max_inflight_per_key)
         self.metrics = Metrics()
         self.images = ImageLoader(settings)
@@ -311,7 +312,14 @@ class Serving:
         return await fitted(source.messages, decoded, worker.hello.context_length, render) or prompt
 
     async def respond(self, request: Request, plan: Plan, renderer: Renderer) -> Response:
-        """Serve one API request: SSE events or one body, written by the renderer."""
+        """Serve one API request: SSE events or one body, written by the renderer.
+        A client that leaves before the answer starts (while its model loads,
+        while room is made, before a non-streamed answer is whole) ends its
+        request there: nothing more is loaded, reserved or generated for it."""
+        answer = await unless_client_leaves(request, self._answer(request, plan, renderer))
+        return Response(status_code=CANCELLED) if answer is None else answer
+
+    async def _answer(self, request: Request, plan: Plan, renderer: Renderer) -> Response:
         lease, worker = await self.lease(plan.model, plan.keep_alive_s, request=request)
         ready_at = time.monotonic()
         streaming = False  # once a stream is open, its generate releases the lease when it ends
@@ -327,14 +335,12 @@ class Serving:
                 group.cut = stream.cut
                 return stream
             try:
-                choices = await collect(request, deltas, len(group.states))
+                choices = await collect(deltas, len(group.states))
             except TimeoutError:
                 raise self.timed_out() from None
         finally:
             if not streaming:
                 lease.release()
-        if choices is None:
-            return Response(status_code=CANCELLED)  # nobody is listening
         self._log_completion(renderer.id, [c.text for c in choices])
         return MsgspecResponse(renderer.body(choices, group))
 
@@ -377,6 +383,8 @@ class Serving:
         stopped reading.
         """
         client_id = request.scope["state"]["client_id"]
+        if self.ended is not None:  # past its lease before the drain began, and past the drain's end now
+            raise unavailable(self.ended)
 
         def stop() -> None:  # the worker's work and the lease, given back at once (again at the end: a no-op)
             self.link.abort([state.request_id for state in group.states if state.running])
@@ -460,7 +468,8 @@ class Serving:
         group.end("the request was cancelled", CANCELLED)
 
     def end_all(self, message: str) -> None:
-        """End every running request with an error (the server is stopping)."""
+        """End every running request with an error (the server is stopping), and any that would start."""
+        self.ended = message
         for _, group in self.running.values():
             group.end(message, 503)
 
@@ -531,11 +540,6 @@ def delta_error(delta: Delta) -> APIError:
     return APIError(delta.error_status, delta.error, type=openai_error_type(delta.error_status))
 
 
-async def collect(request: Request, deltas: AsyncGenerator[Delta], n: int) -> list[Choice] | None:
-    """Every choice's whole text; None if the client left first (the generation is then closed)."""
-    return await unless_client_leaves(request, _collect(deltas, n))
-
-
 async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T | None:
     """What `work` returns; None if the client disconnects first, and the work
     is then cancelled (a non-streaming request's answer nobody waits for)."""
@@ -553,7 +557,8 @@ async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T | None
     return working.result()
 
 
-async def _collect(deltas: AsyncGenerator[Delta], n: int) -> list[Choice]:
+async def collect(deltas: AsyncGenerator[Delta], n: int) -> list[Choice]:
+    """Every choice's whole text (the generation is closed however this ends)."""
     choices = [Choice() for _ in range(n)]
     async with aclosing(deltas):
         async for delta in deltas:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -294,6 +295,23 @@ def test_keep_alive_zero_unloads_the_model_after_its_answer(lazy_pool, models):
     time.sleep(1)
     assert statuses(lazy_pool)["beta"] == "loaded"
     assert lazy_pool.health()["pool"]["models"]["beta"]["unloads_in_s"] > 50
+
+
+def test_a_client_that_leaves_while_its_model_loads_has_nothing_run_for_it(lazy_pool):
+    """It waited out the load and then ran for nobody: its prompt prefilled and its first tokens made,
+    until a write found the connection gone. Its client is watched from the start now."""
+    assert lazy_pool.http.post("/admin/models/gamma/unload").status_code == 200
+    wait_for(lambda: statuses(lazy_pool)["gamma"] == "unloaded", 30, "gamma to unload")
+    before = scrape(lazy_pool)["mlxd_prompt_tokens_total"]
+    body = json.dumps({"model": "gamma", "prompt": PROMPT, "max_tokens": 8, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", lazy_pool.port)) as client:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_for(lambda: statuses(lazy_pool)["gamma"] == "loading", 10, "gamma to begin loading")
+    wait_for(lambda: statuses(lazy_pool)["gamma"] == "loaded", 60, "gamma to load")
+    time.sleep(0.5)  # time enough to submit it, were it still to be submitted
+    assert scrape(lazy_pool)["mlxd_prompt_tokens_total"] == before
+    assert lazy_pool.health()["pool"]["models"]["gamma"]["memory"]["kv_reserved"] == 0
 
 
 def test_a_load_slower_than_the_wait_goes_on_when_its_request_gives_up(models, tmp_path):

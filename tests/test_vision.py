@@ -23,7 +23,7 @@ import pytest
 from PIL import Image
 
 from gateway.images import FETCH_THREADS
-from tests.conftest import running, wait_for
+from tests.conftest import Server, running, wait_for
 from tests.tiny_vision_model import FAMILIES, IMAGE_SIZE, make_tiny_vision_model
 
 MODEL = "tiny-vision"
@@ -70,7 +70,8 @@ def vision_reference(vision_model):
 
 
 class SlowHost:
-    """What the image host's /slow holds: each request answers 404 once `release` is set."""
+    """What the image host's /slow and /slow.png hold: each request answers (404, or the PNG) once
+    `release` is set."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
@@ -89,15 +90,16 @@ SLOW = SlowHost()
 @pytest.fixture(scope="module")
 def image_host():
     """A local HTTP server with one PNG (and a redirect to it), for
-    --allow-image-hosts; /slow answers only once SLOW.release is set."""
+    --allow-image-hosts; /slow (a 404) and /slow.png answer only once SLOW.release is set."""
     png = encoded(image(7))
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             if self.path.startswith("/slow"):
                 SLOW.hold()
-                self.send_error(404)
-                return
+                if self.path != "/slow.png":
+                    self.send_error(404)
+                    return
             if self.path == "/redirect":
                 self.send_response(302)
                 self.send_header("Location", "/cat.png")
@@ -221,6 +223,35 @@ def test_image_hosts_that_never_answer_hold_up_no_other_request(vision_model, vi
         assert answered.status_code == 200, answered.text
         assert took < 5, f"a text request waited {took:.1f}s behind image fetches"
         assert all(f.result().status_code == 400 for f in slow)
+
+
+def test_a_request_still_fetching_its_image_when_the_drain_ends_is_refused(vision_model, image_host, tmp_path):
+    """Past the door before the drain began, its image still on its way when --drain-s ran out (every
+    request then ended): it went on to the worker afterwards, for uvicorn's backstop to cut off."""
+    if vision_model.name != FAMILIES[0]:
+        pytest.skip("draining is the gateway's: the same for every family")
+    SLOW.release.clear()
+    SLOW.waiting = 0
+    srv = Server(["serve", "--model", str(vision_model), "--served-model-name", MODEL, "--allow-image-hosts",
+                  image_host, "--drain-s", "0.5"], tmp_path / "serve.log")
+    try:
+        srv.wait_ready()
+        content = [{"type": "image_url", "image_url": {"url": f"http://{image_host}/slow.png"}},
+                   {"type": "text", "text": QUESTION}]
+        body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": content}]}
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(srv.http.post, "/v1/chat/completions", json=body)
+            wait_for(lambda: SLOW.waiting == 1, 10, "the image's fetch")
+            os.kill(srv.proc.pid, signal.SIGTERM)
+            wait_for(lambda: "draining" in srv.log_path.read_text(), 10, "the drain")
+            time.sleep(1)  # past --drain-s
+            SLOW.release.set()
+            response = answer.result(timeout=30)
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["message"] == "the server is shutting down"
+    finally:
+        SLOW.release.set()
+        srv.stop()
 
 
 def test_mixed_batch_keeps_each_request_its_own_sampling(client, vision_server, vision_reference):
