@@ -16,6 +16,7 @@ import hashlib
 import math
 import time
 import uuid
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import TypeVar
 
@@ -35,16 +36,18 @@ from gateway.ollama_schema import (
     EmbedRequest,
     GenerateChunk,
     GenerateRequest,
+    Logprob,
     Message,
     ModelEntry,
     Options,
     OutMessage,
     ShowRequest,
+    TokenLogprob,
     ToolCall,
     ToolCallFunction,
     ToolDefinition,
 )
-from gateway.output_processor import Delta, RequestGroup
+from gateway.output_processor import Delta, RequestGroup, TokenInfo
 from gateway.parsing import ToolCall as ParsedCall
 from gateway.parsing import arguments_object, detect_reasoning, reasons
 from gateway.plan import (
@@ -61,7 +64,7 @@ from gateway.plan import (
 )
 from gateway.responses import NDJSON, MsgspecResponse, json_line
 from gateway.security import keep_alive_for
-from gateway.serving import OLLAMA_DEFAULT_TAG, Choice, Serving
+from gateway.serving import OLLAMA_DEFAULT_TAG, Choice, Serving, takes_tools
 
 # The Ollama release whose API this follows: clients check it before using newer features.
 OLLAMA_VERSION = "0.12.0"
@@ -112,24 +115,30 @@ def _present(fields: dict) -> dict:
     return {name: value for name, value in fields.items() if value is not None}
 
 
-def sampling(options: Options | None) -> tuple[SamplingParams, list[str], int | None]:
-    """The sampling, stop strings and token limit `options` ask for (the others it may hold are ignored)."""
+def sampling(options: Options | None, logprobs: int | None) -> tuple[SamplingParams, list[str], int | None]:
+    """The sampling, stop strings and token limit `options` ask for (the others it may hold are ignored);
+    `logprobs`: how many of the likeliest tokens each token's log-probability comes with, if asked for."""
     o = options or Options()
-    if o.num_predict == 0:
-        raise APIError(400, "options.num_predict must be positive, -1 (no limit) or -2 (fill the context)",
-                       param="options.num_predict")
-    if o.temperature is not None and not math.isfinite(o.temperature):  # "inf", a string the lax decoding takes
-        raise APIError(400, "options.temperature must be a finite number", param="options.temperature")
+    for name in ("temperature", "min_p", "num_predict", "presence_penalty", "frequency_penalty"):
+        value = getattr(o, name)
+        if value is not None and not math.isfinite(value):  # "inf", a string the lax decoding takes
+            raise APIError(400, f"options.{name} must be a finite number", param=f"options.{name}")
     # Clients that map OpenAI's fields onto these send a frequency_penalty of 0 as a repeat_penalty of 0.
     repeat_penalty = o.repeat_penalty if o.repeat_penalty is None or o.repeat_penalty > 0 else 1.0
     params = SamplingParams(temperature=o.temperature, top_p=None if o.top_p is None else min(o.top_p, 1.0),
-                            top_k=o.top_k, min_p=o.min_p,
-                            repetition_penalty=repeat_penalty, presence_penalty=o.presence_penalty or 0.0,
+                            top_k=o.top_k, min_p=None if o.min_p is None else min(max(o.min_p, 0.0), 1.0),
+                            repetition_penalty=repeat_penalty, presence_penalty=_penalty(o.presence_penalty),
+                            frequency_penalty=_penalty(o.frequency_penalty),
                             # A negative seed is Ollama's (and llama.cpp's) "no seed": a new draw every time.
-                            frequency_penalty=o.frequency_penalty or 0.0,
-                            seed=o.seed if o.seed is not None and o.seed >= 0 else None)
-    max_tokens = o.num_predict if o.num_predict is not None and o.num_predict > 0 else None
+                            seed=o.seed if o.seed is not None and o.seed >= 0 else None, logprobs=logprobs)
+    limit = None if o.num_predict is None else int(o.num_predict)  # Go cuts a float to an integer
+    max_tokens = limit if limit is not None and limit > 0 else None
     return params, nonempty_stops(o.stop or [], "options.stop"), max_tokens
+
+
+def _penalty(value: float | None) -> float:
+    """A presence or frequency penalty within the -2..2 that sampling takes (Ollama passes any on)."""
+    return 0.0 if value is None else min(max(value, -2.0), 2.0)
 
 
 def output_format(value: str | dict | None) -> tuple[bool, dict | None]:
@@ -163,7 +172,8 @@ def chat_input(messages: list[Message], think: bool | str | None, param: str = "
     out, images = [], []
     unanswered: list[dict] = []  # the calls of the latest assistant message not answered yet
     for i, m in enumerate(messages):
-        if m.role not in ROLES:
+        role = "system" if m.role == "developer" else m.role  # OpenAI's newer name, which clients pass on
+        if role not in ROLES:
             raise APIError(400, f"{param}[{i}].role must be one of {', '.join(ROLES)}", param=f"{param}[{i}].role")
         content: str | list[dict] = m.content
         if m.images:
@@ -174,27 +184,28 @@ def chat_input(messages: list[Message], think: bool | str | None, param: str = "
         if calls:
             unanswered = list(calls)
         extra = {"name": m.tool_name} if m.tool_name else {}
-        if m.role == "tool":
+        if role == "tool":
             answered = next((c for c in unanswered if m.tool_name in (None, "", c["function"]["name"])), None)
             if answered is not None:
                 unanswered.remove(answered)
                 extra["tool_call_id"] = answered["id"]
-        out.append(template_message(m.role, content, calls, m.thinking or "", **extra))
+        out.append(template_message(role, content, calls, m.thinking or "", **extra))
     return ChatInput(out, images, thinking(think), fit_context=True)
 
 
-def plan(model: str, prompt: ChatInput | str, options: Options | None, fmt: str | dict | None,
-         tools: list[ToolDefinition] | None, stream: bool, keep_alive: str | float | None, param: str,
-         think: bool | str | None) -> Plan:
-    params, stops, max_tokens = sampling(options)
+def plan(prompt: ChatInput | str, body: ChatRequest | GenerateRequest, tools: list[ToolDefinition] | None,
+         param: str) -> Plan:
+    params, stops, max_tokens = sampling(body.options, body.top_logprobs if body.logprobs else None)
+    model, fmt, stream, keep_alive, think = body.model, body.format, body.stream, body.keep_alive, body.think
     json_output, schema = output_format(fmt)
     functions = [function_tool(t.function.name, t.function.description, t.function.parameters) for t in tools or []]
     return Plan(model=model, prompt=prompt, sampling=params, stops=stops, stream=stream, max_tokens=max_tokens,
                 max_tokens_param="options.num_predict", tools=tool_definitions(functions, "auto"),
                 json_output=json_output, json_schema=schema, json_schema_param="format", messages_param=param,
                 keep_alive_s=keep_alive_seconds(keep_alive),
-                # Ollama refuses it for a model that does not think, and clients retry without it.
-                thinking_param="think" if think not in (None, False) else None)
+                # Ollama refuses them for a model that does not think, or has no tools in its template,
+                # and clients retry without them.
+                thinking_param="think" if think not in (None, False) else None, tools_param="tools")
 
 
 def calls_of(calls: list[ParsedCall], first: int = 0) -> list[ToolCall] | None:
@@ -202,6 +213,13 @@ def calls_of(calls: list[ParsedCall], first: int = 0) -> list[ToolCall] | None:
     index of the first (the answer's calls written before them)."""
     return [ToolCall(ToolCallFunction(c.name, arguments_object(c.arguments) or {}, first + i))
             for i, c in enumerate(calls)] or None
+
+
+def logprobs_of(tokens: Sequence[TokenInfo]) -> list[Logprob] | None:
+    """Each token's log-probability as Ollama writes it, with its bytes and the likeliest tokens beside it."""
+    return [Logprob(t.text, t.logprob, list(t.raw), [TokenLogprob(text, logprob, list(raw))
+                                                     for text, raw, logprob in t.top] or None)
+            for t in tokens] or None
 
 
 def line(chunk: msgspec.Struct | dict) -> bytes:
@@ -228,11 +246,11 @@ class _Output(abc.ABC):
 
     def delta(self, delta: Delta) -> list[bytes]:
         self._length |= delta.finish_reason == "length"
-        if not (delta.text or delta.reasoning or delta.tool_calls):
+        if not (delta.text or delta.reasoning or delta.tool_calls or delta.logprobs):
             return []
         calls = calls_of(delta.tool_calls, self._calls_sent)
         self._calls_sent += len(delta.tool_calls)
-        return [line(self.piece(delta.text, delta.reasoning, calls, False))]
+        return [line(self.piece(delta.text, delta.reasoning, calls, False, delta.logprobs))]
 
     def keepalive(self) -> list[bytes]:
         return []  # Ollama's lines are all chunks of the answer, and Ollama sends none between them
@@ -245,31 +263,36 @@ class _Output(abc.ABC):
     def body(self, choices: list[Choice], group: RequestGroup) -> msgspec.Struct:
         choice = choices[0]
         self._length = choice.finish_reason == "length"
-        return self.last(choice.text, choice.reasoning, calls_of(choice.tool_calls), group)
+        return self.last(choice.text, choice.reasoning, calls_of(choice.tool_calls), group, choice.logprobs)
 
-    def last(self, text: str, reasoning: str, calls: list[ToolCall] | None, group: RequestGroup) -> msgspec.Struct:
+    def last(self, text: str, reasoning: str, calls: list[ToolCall] | None, group: RequestGroup,
+             logprobs: Sequence[TokenInfo] = ()) -> msgspec.Struct:
         now = time.monotonic()
         first = group.first_token_at or now
         return msgspec.structs.replace(
-            self.piece(text, reasoning, calls, True), done_reason="length" if self._length else "stop",
+            self.piece(text, reasoning, calls, True, logprobs), done_reason="length" if self._length else "stop",
             total_duration=nanoseconds(now - self._arrived), load_duration=nanoseconds(group.ready_at - self._arrived),
             prompt_eval_count=group.prompt_tokens, prompt_eval_duration=nanoseconds(first - group.ready_at),
             eval_count=group.completion_tokens, eval_duration=nanoseconds(now - first))
 
     @abc.abstractmethod
-    def piece(self, text: str, reasoning: str, calls: list[ToolCall] | None, done: bool) -> msgspec.Struct: ...
+    def piece(self, text: str, reasoning: str, calls: list[ToolCall] | None, done: bool,
+              logprobs: Sequence[TokenInfo] = ()) -> msgspec.Struct: ...
 
 
 class ChatOutput(_Output):
-    def piece(self, text: str, reasoning: str, calls: list[ToolCall] | None, done: bool) -> ChatChunk:
+    def piece(self, text: str, reasoning: str, calls: list[ToolCall] | None, done: bool,
+              logprobs: Sequence[TokenInfo] = ()) -> ChatChunk:
         return ChatChunk(model=self.model, created_at=timestamp(), done=done,
-                         message=OutMessage("assistant", text, reasoning or None, calls))
+                         message=OutMessage("assistant", text, reasoning or None, calls),
+                         logprobs=logprobs_of(logprobs))
 
 
 class GenerateOutput(_Output):
-    def piece(self, text: str, reasoning: str, calls: list[ToolCall] | None, done: bool) -> GenerateChunk:
+    def piece(self, text: str, reasoning: str, calls: list[ToolCall] | None, done: bool,
+              logprobs: Sequence[TokenInfo] = ()) -> GenerateChunk:
         return GenerateChunk(model=self.model, created_at=timestamp(), done=done, response=text,
-                             thinking=reasoning or None)
+                             thinking=reasoning or None, logprobs=logprobs_of(logprobs))
 
 
 class OllamaAPI:
@@ -296,9 +319,8 @@ class OllamaAPI:
         if not body.messages:
             return await self._load_or_unload(request, body.model, body.keep_alive, ChatOutput(body.model, 0.0))
         renderer = ChatOutput(body.model, request.scope["state"]["arrived"])
-        return await self.serving.respond(request, plan(body.model, chat_input(body.messages, body.think),
-                                                        body.options, body.format, body.tools, body.stream,
-                                                        body.keep_alive, "messages", body.think), renderer)
+        return await self.serving.respond(request, plan(chat_input(body.messages, body.think), body, body.tools,
+                                                        "messages"), renderer)
 
     async def generate(self, request: Request) -> Response:
         body = decode_ollama(await self.serving.read_body(request), GenerateRequest)
@@ -315,6 +337,9 @@ class OllamaAPI:
         if body.raw:
             if body.images:
                 raise APIError(400, "images need the chat template: send them without raw", param="images")
+            if body.system:
+                raise APIError(400, "raw takes the prompt as it is, with no template to put a system prompt in: "
+                                    "write it into the prompt", param="system")
             thinking(body.think)  # checked all the same: no template takes it here
             prompt = body.prompt
         else:
@@ -322,8 +347,7 @@ class OllamaAPI:
             prompt = chat_input([*messages, Message("user", body.prompt, body.images)], body.think, "prompt")
             prompt.untemplated = None if body.images else body.prompt
         renderer = GenerateOutput(body.model, request.scope["state"]["arrived"])
-        return await self.serving.respond(request, plan(body.model, prompt, body.options, body.format, None,
-                                                        body.stream, body.keep_alive, "prompt", body.think), renderer)
+        return await self.serving.respond(request, plan(prompt, body, None, "prompt"), renderer)
 
     async def _load_or_unload(self, request: Request, model: str, keep_alive: str | float | None,
                               output: _Output) -> Response:
@@ -395,7 +419,7 @@ class OllamaAPI:
         entry = self._entry(name)
         worker = self.serving.link.worker_of(name)
         if worker is not None:
-            template, tools = worker.tokenizer.chat_template, worker.tool_format is not None
+            template, tools = worker.tokenizer.chat_template, takes_tools(worker)
             thinking, vision = reasons(template, worker.reasoning_markers), worker.hello.vision
         else:  # not loaded: what its files say (apps ask before any load, to offer it for tools or images)
             facts = self.serving.model_facts(name)

@@ -13,25 +13,28 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from gateway.openai_schema import MAX_EMBEDDING_INPUTS, Seed, StopStrings
+from gateway.openai_schema import MAX_EMBEDDING_INPUTS, MAX_TOP_LOGPROBS, Seed, StopString
 
 MAX_INT = 2**31 - 1
 KeepAlive = str | float | None
 
 
 class Options(msgspec.Struct):
-    """The `options` mlxd maps onto its sampling; the others are ignored."""
+    """The `options` mlxd maps onto its sampling; the others are ignored.
+    As lax as Ollama's Go: values it takes are taken (clamped into what
+    sampling allows, a float where an integer goes cut to one), not refused."""
 
     temperature: Annotated[float, Meta(ge=0)] | None = None
     top_p: Annotated[float, Meta(ge=0)] | None = None  # above 1: 1 (off), as Ollama takes it
     top_k: Annotated[int, Meta(le=MAX_INT)] | None = None  # 0 or less: off, as in llama.cpp
-    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    min_p: float | None = None
     seed: Seed | None = None
-    num_predict: Annotated[int, Meta(ge=-2, le=MAX_INT)] | None = None  # -1: no limit, -2: fill the context
-    stop: StopStrings | None = None
+    num_predict: float | None = None  # 0 or less: no limit (-2, Ollama's "fill the context", is the same here)
+    # Editors' autocomplete (Continue) sends a stop string per keyword that starts a new statement.
+    stop: Annotated[list[StopString], Meta(max_length=64)] | None = None
     repeat_penalty: float | None = None  # 0 or less: 1 (off), as Ollama takes it
-    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
 
 class ToolCallFunction(msgspec.Struct):
@@ -75,6 +78,8 @@ class ChatRequest(msgspec.Struct):
     stream: bool = True
     keep_alive: KeepAlive = None
     think: bool | str | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0  # the likeliest tokens beside each
 
 
 class GenerateRequest(msgspec.Struct):
@@ -91,6 +96,8 @@ class GenerateRequest(msgspec.Struct):
     stream: bool = True
     keep_alive: KeepAlive = None
     think: bool | str | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
 
 
 class EmbedRequest(msgspec.Struct):
@@ -129,7 +136,7 @@ class Details(msgspec.Struct):
     parent_model: str = ""
 
 
-class ModelEntry(msgspec.Struct):
+class ModelEntry(msgspec.Struct, omit_defaults=True):
     """One model of /api/tags; /api/ps adds when it unloads and its memory."""
 
     name: str
@@ -150,6 +157,16 @@ class OutMessage(msgspec.Struct, omit_defaults=True):
     tool_calls: list[ToolCall] | None = None
 
 
+class TokenLogprob(msgspec.Struct, omit_defaults=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token's own bytes: its text may be part of a character
+
+
+class Logprob(TokenLogprob, omit_defaults=True):
+    top_logprobs: list[TokenLogprob] | None = None
+
+
 class _Chunk(msgspec.Struct, omit_defaults=True, kw_only=True):
     """A streamed line, or a whole response; the last (done) carries why it
     ended and its counts and durations (nanoseconds)."""
@@ -164,6 +181,7 @@ class _Chunk(msgspec.Struct, omit_defaults=True, kw_only=True):
     prompt_eval_duration: int | None = None
     eval_count: int | None = None
     eval_duration: int | None = None
+    logprobs: list[Logprob] | None = None  # the tokens of this piece, when asked for
 
 
 class ChatChunk(_Chunk, kw_only=True):

@@ -122,6 +122,8 @@ class Plan:
     keep_alive_s: float | None = None  # how long the model stays loaded once idle (None: --keep-alive)
     # The parameter that asked the model to think, where one that cannot is a 400 (Ollama's `think`).
     thinking_param: str | None = None
+    # The parameter that gave tools, where a model whose template takes none is a 400 (Ollama's `tools`).
+    tools_param: str | None = None
 
     @property
     def prompt_param(self) -> str:

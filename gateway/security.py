@@ -9,6 +9,7 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import re
 import socket
 import time
 from pathlib import Path
@@ -25,6 +26,10 @@ LOOPBACK_NAMES = {"localhost", "127.0.0.1", "[::1]", "::1"}
 # Names under these no one can register, so no page can rebind them: Docker
 # Desktop's containers reach the Mac as host.docker.internal.
 RESERVED_SUFFIXES = (".localhost", ".internal")
+# Origins only software on the client's own machine has, which Ollama's apps count on being let in
+# (as Ollama lets them in): desktop apps' pages (Electron's app:// and file://, Tauri's, VS Code's
+# webviews, whose name is random) and pages served on loopback. No web page elsewhere can take one.
+LOCAL_APP_ORIGINS = r"(app|file|tauri|vscode-webview|vscode-file)://[^/]*|https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
 
 
 def machine_names() -> set[str]:
@@ -153,6 +158,7 @@ class Guard:
             set() if self.loopback else machine_names())
         self.any_origin = "*" in settings.cors_origin
         self.origins = {o.encode() for o in settings.cors_origin}
+        self.local_app_origin = re.compile(LOCAL_APP_ORIGINS.encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -167,8 +173,7 @@ class Guard:
                                  "host_not_allowed")
         path = scope["path"]
         if scope["method"] not in ("GET", "HEAD", "OPTIONS") and cross_site(headers) and (
-                path.startswith("/admin/") or not self.keys.enabled and not self.any_origin
-                and headers.get(b"origin") not in self.origins):
+                path.startswith("/admin/") or not self.keys.enabled and not self._origin_allowed(headers)):
             # A page elsewhere must not act through a browser on this network (a
             # form posts without preflight, and without keys no key stops it):
             # generate, or load and unload models through Ollama's keep_alive.
@@ -195,6 +200,11 @@ class Guard:
         state["client_id"] = key_id or (scope.get("client") or ("?",))[0]
         state["keep_alive_limit_s"] = self.keep_alive_limit_s
         return await self.app(scope, receive, send)
+
+    def _origin_allowed(self, headers: dict[bytes, bytes]) -> bool:
+        """A page of an origin --cors-origin names, or a local app's."""
+        origin = headers.get(b"origin", b"")
+        return self.any_origin or origin in self.origins or self.local_app_origin.fullmatch(origin) is not None
 
     def _host_allowed(self, host: bytes) -> bool:
         name = host.decode("latin-1").lower()

@@ -353,6 +353,8 @@ class Serving:
         markers = worker.reasoning_markers
         if plan.thinking_param is not None and not reasons(worker.tokenizer.chat_template, markers):
             raise APIError(400, f'"{plan.model}" does not support thinking', param=plan.thinking_param)
+        if plan.tools and plan.tools_param is not None and not takes_tools(worker):
+            raise APIError(400, f'"{plan.model}" does not support tools', param=plan.tools_param)
         # A chat's constrained answer comes after the model's reasoning block (Harmony's channels excepted).
         thinking = Thinking(*markers, opened=opens_reasoning(markers, prompt.text)) \
             if markers is not None and family != "harmony" and isinstance(plan.prompt, ChatInput) else None
@@ -522,6 +524,11 @@ async def fitted(messages: list[dict], images: list | None, context: int,
     if best is not None:
         log.info("left out the oldest turns of a conversation to fit the context of %d tokens", context)
     return best
+
+
+def takes_tools(worker: WorkerState) -> bool:
+    """The model's template renders tools, or mlx-lm parses its calls."""
+    return worker.tool_format is not None or "tools" in worker.tokenizer.chat_template
 
 
 def forced_call_format(worker: WorkerState) -> str | None:

@@ -74,7 +74,7 @@ class GatewaySettings(LogSettings, kw_only=True):
         list[str], Meta(description="a Host name to accept without keys besides localhost, and beyond loopback the "
                                     "machine's addresses and own name (DNS-rebinding guard)")
     ] = []
-    cors_origin: Annotated[list[str], Meta(description="a browser origin allowed by CORS (default: none)")] = []
+    cors_origin: Annotated[list[str], Meta(description="a browser origin allowed by CORS (default: local apps' only)")] = []
     max_body_bytes: Annotated[int, Meta(ge=1, description="largest request body accepted (413 beyond)")] = 8 << 20
     body_timeout_s: Annotated[float, Meta(gt=0, description="time a client has to send a request's headers (the connection is closed beyond) and its body (408 beyond)")] = 30.0
     request_timeout_s: Annotated[

@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 
+import mlx.core as mx
 import numpy as np
 import ollama
 import pytest
@@ -248,13 +249,17 @@ def test_a_pinned_model_outlasts_a_clients_unload(tiny_model, tmp_path):
     ("/api/generate", {"model": MODEL_NAME, "prompt": "x", "raw": True, "think": "very"}, 400, "think must be"),
     ("/api/chat", {"model": MODEL_NAME, "messages": "hello"}, 400, "messages"),
     ("/api/generate", {"model": MODEL_NAME, "prompt": "x", "context": [1, 2]}, 400, "context"),
-    ("/api/generate", {"model": MODEL_NAME, "prompt": "x", "options": {"num_predict": 0}}, 400, "num_predict"),
+    ("/api/generate", {"model": MODEL_NAME, "prompt": "x", "raw": True, "system": "Be terse."}, 400, "raw"),
+    ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "tools": [{"function": {"name": "f"}}]}, 400,
+     f'"{MODEL_NAME}" does not support tools'),
+    ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs"),
     ("/api/embed", {"model": MODEL_NAME, "input": [""]}, 400, "empty"),
     ("/api/embed", {"model": MODEL_NAME, "input": ["a", ""]}, 400, "empty"),
     ("/api/embed", {"model": MODEL_NAME, "input": ["x"] * 2049}, 400, "input"),
     ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"seed": 2**64}}, 400, "seed"),
     ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"top_k": 2**64}}, 400, "top_k"),
-    ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"stop": ["x"] * 17}}, 400, "stop"),
+    ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"stop": ["x"] * 65}}, 400, "stop"),
     ("/api/show", {"model": "nope"}, 404, "does not exist"),
     ("/api/show", {"model": MODEL_NAME, "verbose": "very"}, 400, "verbose"),
     ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"temperature": "inf"}}, 400, "temperature"),
@@ -298,6 +303,44 @@ def test_nulls_and_options_ollama_takes_are_taken(server, reference):
     nulls = server.http.post("/api/chat", json={"model": MODEL_NAME, "stream": False, "options": {"temperature": 3},
                                                 "messages": [{"role": "user", "content": None}]})
     assert nulls.status_code == 200, nulls.text
+
+
+def test_values_ollama_takes_beyond_openais_ranges_are_taken(server, reference):
+    """Go cuts a float to an integer and bounds no penalty; a limit of 0 or less is none; editors send a stop
+    string per keyword (more than OpenAI's limit); OpenAI's `developer` role is the system's."""
+    expected = reference.greedy(reference.chat_prompt(MESSAGES), 5).text
+    messages = [{**MESSAGES[0], "role": "developer"}, MESSAGES[1]]
+    options = {"temperature": 0, "num_predict": 5.7, "presence_penalty": 0, "min_p": 0,
+               "stop": [f"never seen {i}" for i in range(20)]}
+    answer = server.http.post("/api/chat", json={"model": MODEL_NAME, "messages": messages, "stream": False,
+                                                 "options": options})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["message"]["content"] == expected and answer.json()["eval_count"] == 5
+    for extreme in ({"presence_penalty": 2.5, "frequency_penalty": -9}, {"min_p": 1.5}, {"min_p": -1}):
+        body = {"model": MODEL_NAME, "messages": MESSAGES, "stream": False, "options": {**GREEDY, **extreme}}
+        assert server.http.post("/api/chat", json=body).status_code == 200, extreme
+    unbounded = reference.greedy(reference.chat_prompt(MESSAGES), 40).text
+    for limit in (0, -1, -2):
+        body = {"model": MODEL_NAME, "messages": MESSAGES, "stream": False,
+                "options": {"temperature": 0, "num_predict": limit}}
+        assert server.http.post("/api/chat", json=body).json()["message"]["content"].startswith(unbounded)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_equal_mlx_lms(client, reference, stream):
+    expected = reference.greedy(reference.chat_prompt(MESSAGES), GREEDY["num_predict"])
+    answer = client.chat(model=MODEL_NAME, messages=MESSAGES, options=GREEDY, logprobs=True, top_logprobs=3,
+                         stream=stream)
+    logprobs = [lp for part in answer for lp in part.logprobs or []] if stream else answer.logprobs
+    assert len(logprobs) == len(expected.token_ids) - (expected.finish_reason == "stop")
+    for item, token, token_logprobs in zip(logprobs, expected.token_ids, expected.logprobs):
+        assert item.token == reference.decode([token]) and abs(item.logprob - float(token_logprobs[token])) < 1e-3
+        values = np.array(token_logprobs.astype(mx.float32))
+        top = np.argsort(-values)[:3]
+        assert [t.token for t in item.top_logprobs] == [reference.decode([int(i)]) for i in top]
+        assert np.allclose([t.logprob for t in item.top_logprobs], values[top], atol=1e-3)
+    plain = client.chat(model=MODEL_NAME, messages=MESSAGES, options=GREEDY)
+    assert plain.logprobs is None and plain.message.content == expected.text
 
 
 def test_unknown_options_are_ignored_as_ollama_ignores_them(client, reference):

@@ -164,9 +164,19 @@ def test_allowed_host_and_cors(tiny_model, tmp_path):
         server.stop()
 
 
-def test_cors_is_off_by_default(server):
+def test_cors_is_off_by_default_but_for_local_apps(server):
+    """Ollama's desktop apps (Obsidian's plugins, Tauri apps, VS Code's webviews, pages served on this
+    machine) send their page's origin, as Ollama lets them by default; no web page elsewhere has one."""
     response = server.http.get("/v1/models", headers={"Origin": "http://app.example"})
     assert "access-control-allow-origin" not in response.headers
+    for origin in ("app://obsidian.md", "vscode-webview://1f2e3d", "tauri://localhost", "http://localhost:3000"):
+        preflight = {"Origin": origin, "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "content-type"}
+        answer = server.http.options("/api/chat", headers=preflight)
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == origin
+    for origin in ("http://localhost.evil.example", "null", "https://evil.example"):
+        preflight = {"Origin": origin, "Access-Control-Request-Method": "POST"}
+        assert "access-control-allow-origin" not in server.http.options("/api/chat", headers=preflight).headers
 
 
 def test_limits(tiny_model, tmp_path):
@@ -443,6 +453,11 @@ def test_without_keys_a_page_elsewhere_cannot_act_through_a_browser(server):
     assert server.http.post("/v1/completions", content=body).status_code == 200  # curl, SDKs: no such headers
     same_origin = {"Origin": server.url, "Sec-Fetch-Site": "same-origin"}
     assert server.http.post("/v1/completions", content=body, headers=same_origin).status_code == 200
+    # A local app's page acts, as with Ollama; never on /admin/*, the operator's.
+    local_app = {"Origin": "app://obsidian.md", "Sec-Fetch-Site": "cross-site"}
+    answer = server.http.post("/api/generate", content=body, headers=local_app)
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "app://obsidian.md"
+    assert server.http.post(f"/admin/models/{MODEL_NAME}/pin", headers=local_app).status_code == 403
 
 
 def test_with_admin_keys_no_api_key_unloads_or_pins_through_keep_alive(tiny_model, tmp_path):

@@ -21,18 +21,18 @@ def test_a_thinking_level_turns_thinking_on():
 
 
 def test_a_negative_seed_is_no_seed():
-    assert sampling(Options(seed=-1))[0].seed is None
-    assert sampling(Options(seed=0))[0].seed == 0 and sampling(Options(seed=7))[0].seed == 7
+    assert sampling(Options(seed=-1), None)[0].seed is None
+    assert sampling(Options(seed=0), None)[0].seed == 0 and sampling(Options(seed=7), None)[0].seed == 7
 
 
 def test_options_out_of_openais_ranges_are_taken_as_ollama_takes_them():
     body = decode_ollama(json.dumps({"model": "m", "messages": [],
                                      "options": {"repeat_penalty": 0, "top_p": 1.5}}).encode(), ChatRequest)
-    params = sampling(body.options)[0]
+    params = sampling(body.options, None)[0]
     assert (params.repetition_penalty, params.top_p) == (1.0, 1.0)
-    assert sampling(Options(repeat_penalty=-1.0))[0].repetition_penalty == 1.0
-    assert sampling(Options(repeat_penalty=1.2, top_p=0.5))[0].repetition_penalty == 1.2
-    assert sampling(Options())[0].repetition_penalty is None  # the model's own default
+    assert sampling(Options(repeat_penalty=-1.0), None)[0].repetition_penalty == 1.0
+    assert sampling(Options(repeat_penalty=1.2, top_p=0.5), None)[0].repetition_penalty == 1.2
+    assert sampling(Options(), None)[0].repetition_penalty is None  # the model's own default
 
 
 def test_a_tool_calls_index_sent_back_as_null_is_read_as_go_reads_it():
