@@ -33,8 +33,8 @@ class AdminAPI:
     async def load(self, request: Request) -> Response:
         """Load the model, unloading idle ones to make room; answers once it is ready (503 past --worker-wait-s)."""
         name = self._model(request)
+        self.serving.pool.call_off_unload(name)  # one asked before this load; one asked while it loads stands
         lease, _ = await self.serving.lease(name, retry_failed=True)
-        self.serving.pool.call_off_unload(name)
         lease.release()
         return MsgspecResponse({"model": name, "status": self.serving.pool.status(name)})
 

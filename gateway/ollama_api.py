@@ -70,11 +70,15 @@ from gateway.serving import OLLAMA_DEFAULT_TAG, Choice, Serving, takes_tools
 OLLAMA_VERSION = "0.12.0"
 T = TypeVar("T")
 ROLES = ("system", "user", "assistant", "tool")
+NEVER = "9999-12-31T23:59:59.999999Z"  # when a model kept loaded for good unloads
+LAST_MOMENT = datetime.max.replace(tzinfo=timezone.utc).timestamp()
 
 
 def timestamp(at: float | None = None) -> str:
     """RFC 3339 in UTC with its fraction of a second, as Ollama writes its times
-    (clients such as OllamaKit read no time without one)."""
+    (clients such as OllamaKit read no time without one); NEVER for a time past what it can write."""
+    if at is not None and not at < LAST_MOMENT:
+        return NEVER
     moment = datetime.now(timezone.utc) if at is None else datetime.fromtimestamp(at, timezone.utc)
     return moment.isoformat(timespec="microseconds").replace("+00:00", "Z")
 
@@ -407,7 +411,7 @@ class OllamaAPI:
             charge = pool.charge(name)
             unloads_in = (pooled.idle_until - time.monotonic()) if pooled is not None and not pooled.users else math.inf
             entry = self._entry(name)
-            entry.expires_at = timestamp(now + unloads_in) if math.isfinite(unloads_in) else "9999-12-31T23:59:59.999999Z"
+            entry.expires_at = timestamp(now + unloads_in)
             # All of it in the GPU's (unified) memory: `ollama ps` shows "100% GPU" when the two agree.
             entry.size = entry.size_vram = charge.total if charge is not None else entry.size
             loaded.append(entry)

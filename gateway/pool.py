@@ -155,14 +155,15 @@ class ModelPool:
         unknown = set(pinned) - set(self.models)
         if unknown:
             raise ValueError(f"--pin {', '.join(sorted(unknown))}: not a served model ({', '.join(self.models)})")
-        if len(pinned) > max_loaded:
-            raise ValueError(f"--pin names {len(pinned)} models; --max-loaded-models is {max_loaded}")
+        if len(set(pinned)) > max_loaded:
+            raise ValueError(f"--pin names {len(set(pinned))} models; --max-loaded-models is {max_loaded}")
         self._lock = asyncio.Lock()  # one decision about loading and unloading at a time
         self._changed = asyncio.Event()  # set, and replaced, when a model becomes idle or unloads
         self._reaper: asyncio.Task | None = None
         self._starting: set[str] = set()  # loaded at start, not yet ready
         self._unloading: set[asyncio.Task] = set()
         self._closing = False  # the server is stopping: nothing loads any more
+        self._closed = asyncio.Event()  # set with _closing, for the waits it must end
         self.on_fatal: Callable[[str], None] | None = None  # a model that must load at start cannot
 
     def find(self, name: str) -> PooledModel | None:
@@ -193,6 +194,7 @@ class ModelPool:
 
     async def stop(self) -> None:
         self._closing = True
+        self._closed.set()
         self._notify()
         if self._reaper is not None:
             self._reaper.cancel()
@@ -203,7 +205,9 @@ class ModelPool:
     def stop_restarting(self) -> None:
         """The server drains: running workers stay for the open requests, none starts."""
         self._closing = True
+        self._closed.set()  # requests waiting for workers to stop hear it now
         self._notify()  # requests waiting for room hear it now
+        self.link.refuse_waiting("the server is shutting down")  # and those waiting for a load
         for m in self.models.values():
             m.supervisor.stop_restarting()
 
@@ -260,7 +264,7 @@ class ModelPool:
             lease.other += other
             stops = self._make_room(victims, f"making room for a request to {m.name}")
         if stops:
-            await asyncio.wait(stops)  # not cancelled with this request: other requests may count on them
+            await self._stopped(stops)
 
     def release(self, lease: Lease) -> None:
         m = lease.model
@@ -280,9 +284,7 @@ class ModelPool:
             if not m.pinned and not m.unload_requested and m.running and self.status(m.name) != "loaded":
                 m.idle_once_ready, m.idle_until = keep, math.inf
             elif keep == 0 and (not m.pinned or m.unload_requested):
-                task = asyncio.get_running_loop().create_task(self._unload_if_idle(m))
-                self._unloading.add(task)  # held until done: the loop keeps only a weak reference
-                task.add_done_callback(self._unloading.discard)
+                self._unload_soon(m)
         self._notify()
 
     # ---- what operators use (the admin endpoints) ---------------------------
@@ -409,7 +411,8 @@ class ModelPool:
                     return
                 victims = self._room_for(m, m.charge.fixed_here, idle_only=True)
                 if victims is None and self._room_for(m, m.charge.fixed_here, idle_only=False) is None:
-                    raise Unavailable(f"the model {m.name} cannot load: {self._why_no_room(m)}")
+                    raise Unavailable(f"the model {m.name} cannot load: {self._why_no_room(m)}",
+                                      never=m.charge.fixed_here > self.budget)
                 stops = self._make_room(victims or [], f"making room for {m.name}")
                 if m.stop_task is not None:
                     stops.append(m.stop_task)  # its own worker exits before another starts
@@ -419,8 +422,7 @@ class ModelPool:
                 changed = self._changed
             remaining = max(0.0, deadline - time.monotonic())
             if stops:  # then look again: another request may have started it meanwhile
-                _, late = await asyncio.wait(stops, timeout=remaining)
-                in_time = not late
+                in_time = await self._stopped(stops, remaining)
             else:
                 in_time = await _set_within(changed, remaining)
             if not in_time:
@@ -505,6 +507,11 @@ class ModelPool:
             m.stop_task, m.unload_requested = None, False
             self._notify()
 
+    def _unload_soon(self, m: PooledModel) -> None:
+        task = asyncio.get_running_loop().create_task(self._unload_if_idle(m))
+        self._unloading.add(task)  # held until done: the loop keeps only a weak reference
+        task.add_done_callback(self._unloading.discard)
+
     async def _unload_if_idle(self, m: PooledModel) -> None:
         async with self._lock:
             if not (m.users == 0 and m.running
@@ -521,11 +528,27 @@ class ModelPool:
                 if (keep := m.idle_once_ready) is not None and self.status(m.name) == "loaded":
                     m.idle_once_ready, m.idle_until = None, now + keep
                 if m.running and m.users == 0 and now >= m.idle_until:
-                    await self._unload_if_idle(m)
+                    self._unload_soon(m)  # not awaited: one worker slow to stop holds up no other model's unload
 
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+    async def _stopped(self, stops: list[asyncio.Task], timeout: float | None = None) -> bool:
+        """Whether the workers' stops end within `timeout` seconds. Unavailable
+        as soon as the server begins to stop: a request waiting for room would
+        otherwise wait past the drain, to be cut off with a 500. The stops are
+        never cancelled with a request: other requests may count on them."""
+        all_stopped = asyncio.ensure_future(asyncio.wait(stops))
+        closing = asyncio.ensure_future(self._closed.wait())
+        try:
+            await asyncio.wait([all_stopped, closing], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            all_stopped.cancel()
+            closing.cancel()
+        if self._closed.is_set():
+            raise Unavailable("the server is shutting down", "shutting_down")
+        return all(stop.done() for stop in stops)
 
 
 async def _set_within(event: asyncio.Event, timeout: float) -> bool:

@@ -163,6 +163,7 @@ class WorkerLink:
         self.load_failure: LoadFailed | None = None
         # Every model's last failure to load, by its --model value (a supervisor's own look-up).
         self.load_failures: dict[str, LoadFailed] = {}
+        self.refusing: str | None = None  # why no request may wait for a worker any more (the server stops)
         self.stats = LinkStats()
         self.events: deque[WorkerEvent] = deque(maxlen=EVENTS_KEPT)  # the latest, oldest first
         self.outputs = OutputProcessor()  # every unfinished request
@@ -223,7 +224,7 @@ class WorkerLink:
         if failure is None:
             failure = lambda: self.load_error if not self.ready else None  # noqa: E731
         while (worker := self._least_loaded(model)) is None:
-            if (why := failure()) is not None:
+            if (why := self.refusing or failure()) is not None:
                 raise WorkerUnavailable(why)
             changed = self._changed
             try:
@@ -240,6 +241,11 @@ class WorkerLink:
         """Wake what waits for a worker: something it depends on changed."""
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def refuse_waiting(self, why: str) -> None:
+        """The server is stopping: what waits for a worker to be ready gets `why` now, instead of a worker."""
+        self.refusing = why
+        self.notify()
 
     def submit(self, state: RequestState, prepared_by: WorkerState) -> None:
         """Send a request, its prompt prepared for `prepared_by`'s weights, to a

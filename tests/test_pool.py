@@ -295,6 +295,30 @@ def test_keep_alive_zero_unloads_the_model_after_its_answer(lazy_pool, models):
     time.sleep(1)
     assert statuses(lazy_pool)["beta"] == "loaded"
     assert lazy_pool.health()["pool"]["models"]["beta"]["unloads_in_s"] > 50
+    # Past what a time can say (the year 9999): Ollama's "never", where it was a 500 on every /api/ps.
+    body["keep_alive"] = 1e12
+    assert lazy_pool.http.post("/v1/completions", json=body).status_code == 200
+    ps = lazy_pool.http.get("/api/ps")
+    assert ps.status_code == 200, ps.text
+    assert [m["expires_at"] for m in ps.json()["models"] if m["name"] == "beta:latest"] == [
+        "9999-12-31T23:59:59.999999Z"]
+    body["keep_alive"] = "1m"
+    assert lazy_pool.http.post("/v1/completions", json=body).status_code == 200
+
+
+def test_an_unload_asked_while_an_admin_load_runs_stands(lazy_pool):
+    """The load called off any unload asked before it once it was done, one asked while it loaded too."""
+    assert lazy_pool.http.post("/admin/models/gamma/unload").status_code == 200
+    wait_for(lambda: statuses(lazy_pool)["gamma"] == "unloaded", 30, "gamma to unload")
+    loads: list = []
+    loading = threading.Thread(target=lambda: loads.append(lazy_pool.http.post("/admin/models/gamma/load")))
+    loading.start()
+    wait_for(lambda: statuses(lazy_pool)["gamma"] == "loading", 10, "gamma to begin loading")
+    asked = lazy_pool.http.post("/admin/models/gamma/unload")
+    assert asked.status_code == 202 and asked.json()["status"] == "unloading"
+    loading.join(60)
+    assert loads[0].status_code == 200
+    wait_for(lambda: statuses(lazy_pool)["gamma"] == "unloaded", 10, "gamma to unload once loaded")
 
 
 def test_a_client_that_leaves_while_its_model_loads_has_nothing_run_for_it(lazy_pool):
@@ -312,6 +336,52 @@ def test_a_client_that_leaves_while_its_model_loads_has_nothing_run_for_it(lazy_
     time.sleep(0.5)  # time enough to submit it, were it still to be submitted
     assert scrape(lazy_pool)["mlxd_prompt_tokens_total"] == before
     assert lazy_pool.health()["pool"]["models"]["gamma"]["memory"]["kv_reserved"] == 0
+
+
+def test_a_drain_answers_a_request_waiting_for_its_model_at_once(models, tmp_path):
+    """It waited for the load past the drain, for uvicorn's stop to cut it off with a 500."""
+    srv = Server(["serve", "--model", f"alpha={models['alpha']}", "--drain-s", "5", "--worker-wait-s", "60"],
+                 tmp_path / "serve.log", env=LAZY)
+    worker = None
+    try:
+        wait_for(srv.answers, 60, "the gateway")
+        answers: list = []
+        body = {"model": "alpha", "prompt": PROMPT, "max_tokens": 2}
+        asking = threading.Thread(target=lambda: answers.append(srv.http.post("/v1/completions", json=body)))
+        asking.start()
+
+        def loading() -> bool:
+            nonlocal worker
+            worker = srv.health()["supervisors"][0]["pid"]
+            return worker is not None
+
+        wait_for(loading, 10, "alpha's worker to start")
+        os.kill(worker, signal.SIGSTOP)  # a load that would outlast the drain
+        started = time.monotonic()
+        os.kill(srv.proc.pid, signal.SIGTERM)
+        asking.join(30)
+        (answer,) = answers
+        assert answer.status_code == 503 and int(answer.headers["retry-after"]) > 0, answer.text
+        assert "shutting down" in answer.json()["error"]["message"]
+        assert time.monotonic() - started < 3
+    finally:
+        if worker is not None:
+            os.kill(worker, signal.SIGCONT)
+        srv.stop()
+
+
+def test_a_model_larger_than_the_budget_is_a_400(models, tmp_path):
+    """It can never load: a 503 told clients (the SDKs retry it) to come back."""
+    srv = Server(["serve", "--model", f"alpha={models['alpha']}", "--memory-budget", "100000"],
+                 tmp_path / "serve.log", env=LAZY)
+    try:
+        wait_for(srv.answers, 60, "the gateway")
+        for answer in (srv.http.post("/v1/completions", json={"model": "alpha", "prompt": PROMPT, "max_tokens": 2}),
+                       srv.http.post("/admin/models/alpha/load")):
+            assert answer.status_code == 400 and "retry-after" not in answer.headers, answer.text
+            assert "more than the memory budget" in answer.json()["error"]["message"]
+    finally:
+        srv.stop()
 
 
 def test_a_load_slower_than_the_wait_goes_on_when_its_request_gives_up(models, tmp_path):

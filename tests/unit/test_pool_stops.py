@@ -24,19 +24,22 @@ WEIGHTS = 400  # bytes charged per model; the budget holds two
 DEAF = ["sh", "-c", "trap '' TERM; echo deaf; exec sleep 60"]  # SIGTERM stays ignored across the exec
 
 
-def pool_of(tmp_path, names: list[str], max_loaded: int = 3) -> ModelPool:
+def pool_of(tmp_path, names: list[str], max_loaded: int = 3, stop_timeout_s: float = 0.5,
+            pinned: tuple[str, ...] = ()) -> ModelPool:
     link = WorkerLink(f"ipc://{tmp_path}/gw.sock", worker_timeout_s=30, hung_worker_s=30, worker_wait_s=5)
     settings = [WorkerSettings(model=f"{name}={tmp_path}/{name}", prefix_cache_bytes=0) for name in names]
     pool = ModelPool(link, settings, budget=2 * WEIGHTS + 100, max_loaded=max_loaded, keep_alive_s=60,
-                     stop_timeout_s=0.5)
+                     stop_timeout_s=stop_timeout_s, pinned=pinned)
     for m in pool.models.values():
         m.charge.weights = WEIGHTS
     return pool
 
 
-async def run_deaf_worker(pool: ModelPool, name: str) -> asyncio.subprocess.Process:
+async def run_deaf_worker(pool: ModelPool, name: str, deaf: bool = True) -> asyncio.subprocess.Process:
+    """deaf=False: one that exits on SIGTERM, as an idle worker does."""
     supervisor = pool.models[name].supervisor
-    process = await asyncio.create_subprocess_exec(*DEAF, process_group=0, stdout=asyncio.subprocess.PIPE)
+    command = DEAF if deaf else ["sh", "-c", "echo ready; exec sleep 60"]
+    process = await asyncio.create_subprocess_exec(*command, process_group=0, stdout=asyncio.subprocess.PIPE)
     assert process.stdout is not None
     await process.stdout.readline()  # deaf from here on: a SIGTERM sent sooner would end it
     supervisor.process = process
@@ -227,3 +230,30 @@ def test_a_model_unpinned_while_it_loads_keeps_loading(tmp_path):
             await pool.link.close()
 
     asyncio.run(run())
+
+
+def test_one_worker_slow_to_stop_holds_up_no_other_models_keep_alive(tmp_path):
+    """The reaper waited for each unload in turn: b, idle past its keep-alive, stayed until a's deaf worker
+    was killed (with --drain-s 10, 15 s)."""
+    async def run() -> None:
+        pool = pool_of(tmp_path, ["a", "b"], stop_timeout_s=30)
+        a_worker = await run_deaf_worker(pool, "a")
+        b_worker = await run_deaf_worker(pool, "b", deaf=False)
+        a, b = pool.models["a"], pool.models["b"]
+        a.idle_until = time.monotonic()
+        b.idle_until = time.monotonic() + 0.3  # the later: a's stop has begun by then
+        try:
+            await pool.start()
+            assert await asyncio.wait_for(b_worker.wait(), 3) == -signal.SIGTERM
+            assert a.stopping and a_worker.returncode is None
+        finally:
+            a_worker.kill()
+            await pool.stop()
+            await pool.link.close()
+
+    asyncio.run(run())
+
+
+def test_a_model_pinned_twice_is_one_pin(tmp_path):
+    pool = pool_of(tmp_path, ["a", "b"], max_loaded=1, pinned=("a", "a"))
+    assert pool.models["a"].pinned and not pool.models["b"].pinned
