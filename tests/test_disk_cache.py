@@ -99,6 +99,15 @@ def test_another_model_never_reads_the_blocks(tiny_model, reference, tmp_path):
         assert disk_tokens(srv) == 0
     assert response.usage.prompt_tokens_details.cached_tokens == 0
     assert written <= set(blocks(directory))  # its blocks are its own, beside the first model's
+    # The first model's directory planted as a link elsewhere: its worker, which crashed after each load
+    # and was started again and again, fails with the reason.
+    model_dir = next(iter(written)).parent
+    model_dir.rename(tmp_path / "elsewhere")
+    model_dir.symlink_to(tmp_path / "elsewhere")
+    result = subprocess.run([*MLXD, *serve_args(tiny_model, directory), "--preload", "--port", str(free_port())],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1 and "--prefix-cache-dir:" in last and "symbolic link" in last, last
 
 
 def test_a_stream_resumed_after_a_worker_kill_reads_its_prompt_back_from_disk(tiny_model, reference, tmp_path):

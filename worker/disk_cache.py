@@ -18,8 +18,12 @@ under a temporary name first), first removing the least recently used files
 that would leave the budget short. A chain is read back deepest block
 first and its first block last, so that it is the most recently used:
 eviction trims a chain from its end, never leaving blocks no chain can reach.
-Reading checks a header and a checksum: a corrupt, truncated or foreign file
-is removed, and the chain ends before it. The files of a chain are read,
+Reading checks a header, a checksum and the arrays' layout against the
+model's own: a corrupt, truncated or foreign file is removed, and the chain
+ends before it. Only regular files named as blocks are read, counted or
+removed, and the directories must be this user's own, never a symbolic link:
+a directory another user could write would let them plant blocks, or links
+that turn the worker's writes and removals onto other files. The files of a chain are read,
 checked and put together by reader threads (no MLX either), since the main
 thread waits for them. A disk that fills up lowers the budget to what it
 holds; a file that cannot be removed or written is logged, never fatal.
@@ -34,6 +38,7 @@ import logging
 import math
 import os
 import queue
+import stat
 import struct
 import threading
 import time
@@ -56,6 +61,8 @@ BLOCK_TOKENS = 256
 QUEUE_BYTES = 256 << 20
 MAGIC = b"mlxd-kv1"
 SUFFIX = ".kv"
+KEY_GLOB = "[0-9a-f]" * 64  # a block's key; its file is KEY + SUFFIX, one being written KEY.PID.tmp
+FULL_DISK_RETRY_S = 60.0  # after a full disk lowered the budget, how soon a write tries the whole budget again
 READERS = min(8, os.cpu_count() or 1)
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 ITEM_BYTES = {name: dtype.size for name, dtype in DTYPES.items()}  # for the reader threads, which keep off MLX
@@ -81,9 +88,22 @@ def chain_keys(identity: bytes, tokens: Sequence[int]) -> list[str]:
     return keys
 
 
+def _dtype_name(array: mx.array) -> str:
+    return str(array.dtype).rsplit(".", 1)[1]
+
+
 def _layout(arrays: list[mx.array]) -> bytes:
-    return msgspec.msgpack.encode(BlockLayout([list(a.shape) for a in arrays],
-                                              [str(a.dtype).rsplit(".", 1)[1] for a in arrays]))
+    return msgspec.msgpack.encode(BlockLayout([list(a.shape) for a in arrays], [_dtype_name(a) for a in arrays]))
+
+
+def layout_of(cache: list) -> BlockLayout | None:
+    """The layout of the model's blocks, read off its cache after a token
+    (worker.footprint.probe_cache); None for a cache the tier cannot keep
+    (not plain KVCache layers: it then keeps nothing)."""
+    if not cache or any(type(c) is not KVCache for c in cache):
+        return None
+    arrays = [a for c in cache for a in (c.keys, c.values)]
+    return BlockLayout([[*a.shape[:2], BLOCK_TOKENS, a.shape[3]] for a in arrays], [_dtype_name(a) for a in arrays])
 
 
 def block_payload(arrays: list[mx.array], layout: bytes) -> list[bytes]:
@@ -108,9 +128,15 @@ class Block(NamedTuple):
     file_bytes: int
 
 
-def read_block(path: Path) -> Block:
-    """A block file's contents after its checks. No MLX: the reader threads run it."""
-    data = path.read_bytes()
+def read_block(path: Path, max_bytes: int) -> Block:
+    """A block file's contents after its checks. No MLX: the reader threads run it.
+    A symbolic link, a FIFO (whose read would never end) or a device is no block."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > max_bytes:
+            raise CorruptBlock("not a block file")
+        data = f.read()
     if len(data) < len(MAGIC) + 36 or not data.startswith(MAGIC):
         raise CorruptBlock("not a block file")
     digest, body = data[len(MAGIC):len(MAGIC) + 32], memoryview(data)[len(MAGIC) + 32:]
@@ -136,50 +162,65 @@ def read_block(path: Path) -> Block:
 
 def open_directory(directory: Path) -> Path:
     """The cache directory, made (0700) if it is not there; an OSError or
-    ValueError that says why one cannot serve: not a directory, not this
-    user's, not writable. Run before the model loads: a worker that cannot use
-    its directory fails at once with the reason, not after a load."""
-    directory = directory.expanduser()
-    if not directory.exists():
-        directory.mkdir(mode=0o700, parents=True)
-        directory.chmod(0o700)  # the umask may have taken bits off
-    info = directory.stat()
-    if not directory.is_dir():
-        raise ValueError(f"{directory} is not a directory")
-    if info.st_uid != os.getuid():
-        raise ValueError(f"{directory} belongs to another user (uid {info.st_uid})")
+    ValueError that says why one cannot serve: not a directory, a symbolic
+    link, not this user's, not writable. Run before the model loads: a worker
+    that cannot use its directory fails at once with the reason, not after a load."""
+    directory = own_directory(directory.expanduser(), parents=True)
     if not os.access(directory, os.W_OK | os.X_OK):
         raise ValueError(f"{directory} is not writable")
     # Blocks of the layout before each model had its own directory: named by their key, starting with MAGIC
     # (an operator's own files that happen to end in .kv stay).
-    for path, _ in _stats(directory, "[0-9a-f]" * 64 + SUFFIX):
+    for path, _ in _stats(directory, KEY_GLOB + SUFFIX):
         with contextlib.suppress(OSError), path.open("rb") as f:
             if f.read(len(MAGIC)) == MAGIC:
                 path.unlink(missing_ok=True)
     return directory
 
 
+def own_directory(directory: Path, parents: bool = False) -> Path:
+    """`directory`, made if it is not there, this user's own (not a symbolic
+    link, nobody else's), its mode tightened to 0700 (the umask, or an
+    operator's mkdir, may have left it open); ValueError saying why not."""
+    with contextlib.suppress(FileExistsError):
+        directory.mkdir(mode=0o700, parents=parents)
+    info = directory.lstat()
+    if stat.S_ISLNK(info.st_mode):
+        raise ValueError(f"{directory} is a symbolic link: give the directory's own path")
+    if not stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"{directory} is not a directory")
+    if info.st_uid != os.getuid():
+        raise ValueError(f"{directory} belongs to another user (uid {info.st_uid})")
+    if info.st_mode & 0o777 != 0o700:
+        directory.chmod(0o700)
+    return directory
+
+
 class DiskCache:
-    def __init__(self, directory: Path, budget_bytes: int, identity: bytes) -> None:
-        """directory: one open_directory made ready; the model's blocks go in a directory of their own in it."""
-        self.directory = directory / hashlib.sha256(identity).hexdigest()[:32]
-        self.budget = budget_bytes
+    def __init__(self, directory: Path, budget_bytes: int, identity: bytes, layout: BlockLayout | None) -> None:
+        """directory: one open_directory made ready; the model's blocks go in a
+        directory of their own in it (ValueError or OSError if it cannot be
+        this user's own); layout: the model's (layout_of)."""
+        self.directory = own_directory(directory / hashlib.sha256(identity).hexdigest()[:32], parents=True)
+        self.budget = self.whole_budget = budget_bytes
         self.identity = identity
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.directory.chmod(0o700)
+        self.layout = layout
+        self._full_at: float | None = None  # when a full disk lowered the budget
         self.restored_tokens = 0
         # Block keys on disk, least recently used first, with their sizes; the
         # writer thread and the main thread share it under the lock, and files
         # are removed under it too, so that a key counted is a file there.
         self._lock = threading.Lock()
         self._files: OrderedDict[str, int] = OrderedDict()
-        found = sorted((info.st_mtime_ns, path.stem, info.st_size) for path, info in _stats(self.directory, "*" + SUFFIX))
+        found = sorted((info.st_mtime_ns, path.stem, info.st_size)
+                       for path, info in _stats(self.directory, KEY_GLOB + SUFFIX))
         for _, key, size in found:
             self._files[key] = size
-        for path, info in _stats(self.directory, "*.tmp"):  # a write a crash cut short; an hour leaves others' own
-            if time.time() - info.st_mtime > 3600:
+        for path, info in _stats(self.directory, KEY_GLOB + ".*.tmp"):
+            if _cut_short(path, info):
                 path.unlink(missing_ok=True)
         self.nbytes = sum(self._files.values())
+        with self._lock:
+            self._make_room(0)  # a budget lowered since the files were written
         # Key, payload, queued bytes, the keys of the blocks before it: the writer seals and writes it.
         self._pending: queue.Queue[tuple[str, list[bytes], int, list[str]] | None] = queue.Queue()
         self._queued_bytes = 0
@@ -196,6 +237,8 @@ class DiskCache:
         when none is. Nothing is read unless the chain is longer: the RAM
         tier usually holds as much, and a read is the main thread's time."""
         keys = chain_keys(self.identity, tokens)
+        if self.layout is None:
+            return None, 0
         if len(keys) * BLOCK_TOKENS <= beyond:  # RAM holds as much: the disk's copy is kept fresh, off this thread
             self._readers.submit(self._touch, keys)
             return None, 0
@@ -230,18 +273,20 @@ class DiskCache:
 
     def _read_chain(self, chain: list[tuple[str, bool]]) -> list[Block]:
         """The arrays of the chain's blocks, read and checked by the reader
-        threads, up to the first that fails its checks or differs in layout
-        from the first (it is removed)."""
-        reads = [self._readers.submit(read_block, self._path(key)) for key, _ in chain]
+        threads, up to the first that fails its checks (it is removed) or
+        cannot be read (a disk that fails to answer: it stays)."""
+        reads = [self._readers.submit(read_block, self._path(key), self.budget) for key, _ in chain]
         blocks: list[Block] = []
         for (key, known), read in zip(chain, reads):
             try:
                 block = read.result()
-                if blocks and block.layout != blocks[0].layout:
-                    raise CorruptBlock("its layout is not its chain's")
+                if block.layout != self.layout:  # sound, but another model's: never restored as this one's
+                    raise CorruptBlock("its layout is not this model's")
             except (OSError, CorruptBlock) as e:
-                log.warning("dropping prefix-cache block %s: %s", self._path(key).name, e)
-                self._forget(key)
+                log.warning("%s prefix-cache block %s: %s", "dropping" if isinstance(e, CorruptBlock) else
+                            "cannot read", self._path(key).name, e)
+                if isinstance(e, CorruptBlock):
+                    self._forget(key)
                 for later in reads:
                     later.cancel()
                 break
@@ -250,6 +295,7 @@ class DiskCache:
                 with self._lock:
                     if os.path.exists(self._path(key)):  # another worker on the directory may have removed it since
                         self._count(key, block.file_bytes)
+                        self._make_room(0)
         return blocks
 
     def _assemble(self, blocks: list[Block]) -> list[mx.array]:
@@ -272,6 +318,9 @@ class DiskCache:
         a recurrent state or quantized keys cannot be cut into blocks here."""
         if not cache or any(type(c) is not KVCache for c in cache):
             return
+        with self._lock:
+            if self._full_at is not None and time.monotonic() - self._full_at > FULL_DISK_RETRY_S:
+                self.budget, self._full_at = self.whole_budget, None  # room may have been made since
         keys = chain_keys(self.identity, tokens[:min(c.offset for c in cache)])
         for index, key in enumerate(keys):
             start, end = index * BLOCK_TOKENS, (index + 1) * BLOCK_TOKENS
@@ -324,7 +373,7 @@ class DiskCache:
                 if key in self._files:
                     self._files.move_to_end(key)
             try:
-                os.utime(self._path(key), ns=(now - age * 1000,) * 2)
+                os.utime(self._path(key), ns=(now - age * 1000,) * 2, follow_symlinks=False)
             except OSError:
                 pass  # not on disk (yet, or any more): a read ends the chain there
 
@@ -369,8 +418,10 @@ class DiskCache:
         with self._lock:
             self._make_room(file_bytes)
         try:
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # removed by hand while the worker runs
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            own_directory(self.directory, parents=True)  # removed by hand while the worker runs
+            temporary.unlink(missing_ok=True)  # an earlier worker's of the same pid: its write is over
+            # A new file, never one there already: a link planted at the name is not followed.
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.writelines(parts)
             os.replace(temporary, path)
@@ -379,6 +430,7 @@ class DiskCache:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 with self._lock:
                     self.budget = self.nbytes  # what this disk holds: later blocks take the oldest's room
+                    self._full_at = time.monotonic()
                 log.warning("the disk under %s is full: its prefix-cache budget is now %d bytes",
                             self.directory, self.budget)
             else:
@@ -395,12 +447,32 @@ def _header_bytes(layout: bytes) -> int:
 
 
 def _stats(directory: Path, pattern: str) -> list[tuple[Path, os.stat_result]]:
-    """The files matching `pattern` and their stat, but for those gone
-    meanwhile (another worker on the directory renames and removes files)."""
+    """The regular files matching `pattern` and their stat, but for those
+    gone meanwhile (another worker on the directory renames and removes files)."""
     found = []
     for path in directory.glob(pattern):
         try:
-            found.append((path, path.stat()))
+            info = path.lstat()
         except FileNotFoundError:
             continue
+        if stat.S_ISREG(info.st_mode):
+            found.append((path, info))
     return found
+
+
+def _cut_short(path: Path, info: os.stat_result) -> bool:
+    """A block's temporary file whose write will never finish: its worker
+    (the pid in its name) is not running on this machine (a crash cut it
+    short), or it is an hour old."""
+    if time.time() - info.st_mtime > 3600:
+        return True
+    try:
+        pid = int(path.suffixes[-2][1:])
+        if pid == os.getpid():  # an earlier worker's, of the same pid: this one has written nothing yet
+            return True
+        os.kill(pid, 0)
+    except (ValueError, IndexError, ProcessLookupError):
+        return True
+    except PermissionError:  # another user's process: alive
+        return False
+    return False

@@ -26,13 +26,18 @@ def weights_bytes(model: nn.Module) -> int:
     return sum(array.nbytes for array in _arrays(model.parameters()))
 
 
-def kv_footprint(model: nn.Module) -> KVFootprint:
-    """The model's KV bytes per token, read off its own cache layers after one
-    token: counting the layers that exist, rather than reading the config,
-    gets sliding windows, shared-KV and recurrent layers right for every
-    architecture mlx-lm builds."""
+def probe_cache(model: nn.Module) -> list:
+    """The model's own cache after one token. What it holds is read off it
+    (kv_footprint, and the disk tier's block layout): counting the layers
+    that exist, rather than reading the config, gets sliding windows,
+    shared-KV and recurrent layers right for every architecture mlx-lm builds."""
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
+    return cache
+
+
+def kv_footprint(cache: list) -> KVFootprint:
+    """The model's KV bytes per token, from its probe_cache."""
     per_token, fixed = 0, 0
     windowed: list[tuple[int, int]] = []
     for layer in _leaves(cache):

@@ -34,10 +34,10 @@ from worker.collective import (
     summed_footprint,
     this_rank,
 )
-from worker.disk_cache import DiskCache, open_directory
+from worker.disk_cache import DiskCache, layout_of, open_directory
 from worker.embed import UnsupportedPooling, embedder_for, pooling_of
 from worker.engine import Engine
-from worker.footprint import kv_footprint, set_limits, weights_bytes
+from worker.footprint import kv_footprint, probe_cache, set_limits, weights_bytes
 from worker.grammar import Grammars
 from worker.model import LoadedModel, Sharding, load_model
 from worker.model_source import ModelNotFound
@@ -121,7 +121,8 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         prefix_cache_bytes -= features.budget if features else 0
         vision = VisionPrefill(loaded.model, loaded.image_token_id, settings.prefill_chunk, features)
     text_model = vision.language_model if vision else loaded.model
-    footprint = kv_footprint(text_model)
+    probed = probe_cache(text_model)
+    footprint = kv_footprint(probed)
     ranks = []
     if channel is not None:
         states = channel.gather(RankState(this_rank(channel.rank), weights, footprint, rank_setup(loaded, settings),
@@ -132,7 +133,12 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         ranks = [s.rank for s in states]
         weights, footprint = sum(s.weights_bytes for s in states), summed_footprint(states)
         prefix_cache_bytes = prefix_cache_budget(states, channel.rank, loaded.context_length)
-    disk = DiskCache(cache_dir, settings.prefix_cache_disk_bytes, model_identity(loaded)) if cache_dir else None
+    disk = None
+    if cache_dir:
+        try:
+            disk = DiskCache(cache_dir, settings.prefix_cache_disk_bytes, model_identity(loaded), layout_of(probed))
+        except (OSError, ValueError) as e:  # its model's directory in it: not this user's own, not writable
+            return load_failed(settings, f"--prefix-cache-dir: {e}")
     engine = Engine(
         text_model,
         eos_token_ids=loaded.eos_token_ids,

@@ -27,7 +27,7 @@ load_fast_blas()
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from worker.disk_cache import BLOCK_TOKENS, DiskCache  # noqa: E402
+from worker.disk_cache import BLOCK_TOKENS, DiskCache, layout_of  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 24, 2, 64
 IDENTITY = b"bench"
@@ -46,10 +46,10 @@ def main() -> None:
         c.update_and_fetch(mx.random.normal(shape).astype(mx.bfloat16), mx.random.normal(shape).astype(mx.bfloat16))
         cache.append(c)
     with tempfile.TemporaryDirectory() as directory:
-        writer = DiskCache(Path(directory), 1 << 40, IDENTITY)
+        writer = DiskCache(Path(directory), 1 << 40, IDENTITY, layout_of(cache))
         writer.save(tokens, cache)
         writer.close()
-        reader = DiskCache(Path(directory), 1 << 40, IDENTITY)
+        reader = DiskCache(Path(directory), 1 << 40, IDENTITY, layout_of(cache))
         times = []
         for _ in range(args.repeats):
             started = time.perf_counter()

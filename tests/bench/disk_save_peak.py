@@ -24,8 +24,9 @@ import mlx.core as mx  # noqa: E402
 
 from protocol import AddRequest, Sampling  # noqa: E402
 from protocol.worker_settings import DEFAULT_MODEL_NAME  # noqa: E402
-from worker.disk_cache import DiskCache  # noqa: E402
+from worker.disk_cache import DiskCache, layout_of  # noqa: E402
 from worker.engine import Engine  # noqa: E402
+from worker.footprint import probe_cache  # noqa: E402
 from worker.grammar import Grammars  # noqa: E402
 from worker.model import load_model  # noqa: E402
 from worker.model_source import cache_dir  # noqa: E402
@@ -39,7 +40,7 @@ def main() -> None:
     args = parser.parse_args()
     loaded = load_model(str(args.model or cache_dir() / "models" / DEFAULT_MODEL_NAME))
     with tempfile.TemporaryDirectory() as directory:
-        disk = DiskCache(Path(directory), 1 << 40, b"disk_save_peak")
+        disk = DiskCache(Path(directory), 1 << 40, b"disk_save_peak", layout_of(probe_cache(loaded.model)))
         engine = Engine(loaded.model, eos_token_ids=loaded.eos_token_ids, vocab_size=loaded.vocab_size,
                         context_length=args.tokens + 64, capacity=8, prefill_batch_size=4,
                         prefill_step_size=args.tokens, prefix_cache=PrefixCache(0, disk),

@@ -6,12 +6,14 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import subprocess
+import time
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from worker.disk_cache import BLOCK_TOKENS, MAGIC, DiskCache, chain_keys, open_directory
+from worker.disk_cache import BLOCK_TOKENS, MAGIC, DiskCache, chain_keys, layout_of, open_directory
 
 IDENTITY = b"model-a"
 
@@ -27,8 +29,11 @@ def kv_cache(tokens: int, layers: int = 2, seed: int = 0) -> list[KVCache]:
     return cache
 
 
+LAYOUT = layout_of(kv_cache(1))
+
+
 def written(directory, budget: int, tokens: list[int], cache: list, identity: bytes = IDENTITY) -> DiskCache:
-    disk = DiskCache(directory, budget, identity)
+    disk = DiskCache(directory, budget, identity, layout_of(cache))
     disk.save(tokens, cache)
     disk.close()  # everything queued is on disk
     return disk
@@ -43,7 +48,7 @@ def test_blocks_come_back_as_they_went_in(tmp_path):
     cache = kv_cache(len(tokens))
     written(tmp_path, 1 << 30, tokens, cache)
     assert len(block_files(tmp_path)) == 3  # whole blocks only
-    restored, length = DiskCache(tmp_path, 1 << 30, IDENTITY).restore(tokens, 0)
+    restored, length = DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT).restore(tokens, 0)
     assert length == 3 * BLOCK_TOKENS and restored is not None
     for mine, theirs in zip(restored, cache):
         assert mine.offset == length
@@ -51,16 +56,16 @@ def test_blocks_come_back_as_they_went_in(tmp_path):
         assert mx.array_equal(mine.values, theirs.values[..., :length, :])
         assert (mine.keys.dtype, mine.values.dtype) == (mx.bfloat16, mx.float16)
     # Only a chain longer than what the caller already has is worth reading.
-    assert DiskCache(tmp_path, 1 << 30, IDENTITY).restore(tokens, 3 * BLOCK_TOKENS) == (None, 0)
+    assert DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT).restore(tokens, 3 * BLOCK_TOKENS) == (None, 0)
 
 
 def test_a_block_matches_only_behind_the_same_tokens_and_model(tmp_path):
     tokens = list(range(2 * BLOCK_TOKENS))
     written(tmp_path, 1 << 30, tokens, kv_cache(len(tokens)))
     other_start = [7] + tokens[1:]  # the second block's tokens are the same, its chain is not
-    assert DiskCache(tmp_path, 1 << 30, IDENTITY).restore(other_start, 0) == (None, 0)
-    assert DiskCache(tmp_path, 1 << 30, b"model-b").restore(tokens, 0) == (None, 0)
-    _, length = DiskCache(tmp_path, 1 << 30, IDENTITY).restore(tokens[:BLOCK_TOKENS + 5], 0)
+    assert DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT).restore(other_start, 0) == (None, 0)
+    assert DiskCache(tmp_path, 1 << 30, b"model-b", LAYOUT).restore(tokens, 0) == (None, 0)
+    _, length = DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT).restore(tokens[:BLOCK_TOKENS + 5], 0)
     assert length == BLOCK_TOKENS
 
 
@@ -76,7 +81,7 @@ def test_a_chain_longer_than_the_budget_keeps_its_first_blocks(tmp_path):
     written(tmp_path / "kv", 2 * block, tokens, cache)
     files = block_files(tmp_path / "kv")
     assert len(files) == 2 and sum(f.stat().st_size for f in files) <= 2 * block
-    assert DiskCache(tmp_path / "kv", 2 * block, IDENTITY).restore(tokens, 0)[1] == 2 * BLOCK_TOKENS
+    assert DiskCache(tmp_path / "kv", 2 * block, IDENTITY, LAYOUT).restore(tokens, 0)[1] == 2 * BLOCK_TOKENS
 
 
 def test_eviction_trims_a_chain_from_its_end(tmp_path):
@@ -86,12 +91,12 @@ def test_eviction_trims_a_chain_from_its_end(tmp_path):
     cache = kv_cache(len(used))
     block = block_bytes(tmp_path, cache)
     written(tmp_path / "kv", 4 * block, used, cache)
-    disk = DiskCache(tmp_path / "kv", 4 * block, IDENTITY)
+    disk = DiskCache(tmp_path / "kv", 4 * block, IDENTITY, LAYOUT)
     assert disk.restore(used, 0)[1] == 3 * BLOCK_TOKENS
     disk.save(other, cache)  # one block of `used` must go
     disk.close()
     assert len(block_files(tmp_path / "kv")) == 4
-    assert DiskCache(tmp_path / "kv", 4 * block, IDENTITY).restore(used, 0)[1] == 2 * BLOCK_TOKENS
+    assert DiskCache(tmp_path / "kv", 4 * block, IDENTITY, LAYOUT).restore(used, 0)[1] == 2 * BLOCK_TOKENS
 
 
 def test_a_chain_written_after_another_is_evicted_from_its_end_too(tmp_path):
@@ -100,11 +105,11 @@ def test_a_chain_written_after_another_is_evicted_from_its_end_too(tmp_path):
     first, second = list(range(3 * BLOCK_TOKENS)), list(range(5000, 5000 + 2 * BLOCK_TOKENS))
     cache = kv_cache(len(first))
     block = block_bytes(tmp_path, cache)
-    disk = DiskCache(tmp_path / "kv", 4 * block, IDENTITY)
+    disk = DiskCache(tmp_path / "kv", 4 * block, IDENTITY, LAYOUT)
     disk.save(first, cache)
     disk.save(second, cache)  # one block of `first` must go
     disk.close()
-    assert DiskCache(tmp_path / "kv", 4 * block, IDENTITY).restore(first, 0)[1] == 2 * BLOCK_TOKENS
+    assert DiskCache(tmp_path / "kv", 4 * block, IDENTITY, LAYOUT).restore(first, 0)[1] == 2 * BLOCK_TOKENS
 
 
 @pytest.mark.parametrize("start", [0, 1000, 2000, 3000])  # other tokens, other keys: their names sort otherwise
@@ -116,7 +121,7 @@ def test_the_order_of_a_chain_outlives_the_worker(tmp_path, start):
     block = block_bytes(tmp_path, cache)
     written(tmp_path / "kv", 3 * block, first, cache)
     written(tmp_path / "kv", 3 * block, second, cache)  # a new worker: one block of `first` must go
-    assert DiskCache(tmp_path / "kv", 3 * block, IDENTITY).restore(first, 0)[1] == 2 * BLOCK_TOKENS
+    assert DiskCache(tmp_path / "kv", 3 * block, IDENTITY, LAYOUT).restore(first, 0)[1] == 2 * BLOCK_TOKENS
 
 
 def test_a_chain_broken_by_a_failed_write_writes_no_more_of_itself(tmp_path, monkeypatch):
@@ -134,13 +139,13 @@ def test_a_chain_broken_by_a_failed_write_writes_no_more_of_itself(tmp_path, mon
     monkeypatch.setattr(os, "replace", second_fails)
     written(tmp_path / "kv", 1 << 30, tokens, cache)
     assert len(calls) == 2 and len(block_files(tmp_path / "kv")) == 1
-    assert DiskCache(tmp_path / "kv", 1 << 30, IDENTITY).restore(tokens, 0)[1] == BLOCK_TOKENS
+    assert DiskCache(tmp_path / "kv", 1 << 30, IDENTITY, LAYOUT).restore(tokens, 0)[1] == BLOCK_TOKENS
 
 
 def test_a_directory_removed_while_the_worker_runs_is_made_again(tmp_path):
     tokens = list(range(2 * BLOCK_TOKENS))
     cache = kv_cache(len(tokens))
-    disk = DiskCache(open_directory(tmp_path / "kv"), 1 << 30, IDENTITY)
+    disk = DiskCache(open_directory(tmp_path / "kv"), 1 << 30, IDENTITY, LAYOUT)
     shutil.rmtree(tmp_path / "kv")
     disk.save(tokens, cache)
     disk.close()
@@ -155,7 +160,7 @@ def test_models_sharing_a_directory_keep_to_their_own_blocks(tmp_path):
     written(tmp_path / "kv", 2 * block, tokens, cache)
     assert written(tmp_path / "kv", 2 * block, tokens, cache, identity=b"model-b").nbytes == 2 * block
     assert len(block_files(tmp_path / "kv")) == 4
-    assert DiskCache(tmp_path / "kv", 2 * block, IDENTITY).restore(tokens, 0)[1] == 2 * BLOCK_TOKENS
+    assert DiskCache(tmp_path / "kv", 2 * block, IDENTITY, LAYOUT).restore(tokens, 0)[1] == 2 * BLOCK_TOKENS
 
 
 def test_a_directory_that_cannot_serve_says_why(tmp_path):
@@ -197,14 +202,14 @@ def test_a_damaged_or_foreign_block_ends_the_chain_and_is_removed(tmp_path, dama
     disk = written(tmp_path / "kv", 1 << 30, tokens, kv_cache(len(tokens)))
     chain = [disk.directory / f"{key}.kv" for key in chain_keys(IDENTITY, tokens)]
     damage(chain[1], tokens)
-    restored, length = DiskCache(tmp_path / "kv", 1 << 30, IDENTITY).restore(tokens, 0)
+    restored, length = DiskCache(tmp_path / "kv", 1 << 30, IDENTITY, LAYOUT).restore(tokens, 0)
     assert length == BLOCK_TOKENS and restored is not None and restored[0].keys.shape[2] == BLOCK_TOKENS
     assert not chain[1].exists() and chain[0].exists()
 
 
 def test_workers_sharing_a_directory_read_each_others_blocks(tmp_path):
     tokens = list(range(2 * BLOCK_TOKENS))
-    reader = DiskCache(tmp_path, 1 << 30, IDENTITY)  # started before the other wrote anything
+    reader = DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT)  # started before the other wrote anything
     written(tmp_path, 1 << 30, tokens, kv_cache(len(tokens)))
     _, length = reader.restore(tokens, 0)
     assert length == 2 * BLOCK_TOKENS
@@ -217,19 +222,19 @@ def test_a_chain_another_worker_wrote_is_evicted_from_its_end_too(tmp_path):
     used, other = list(range(4 * BLOCK_TOKENS)), list(range(5000, 5000 + BLOCK_TOKENS))
     cache = kv_cache(len(used))
     block = block_bytes(tmp_path, cache)
-    reader = DiskCache(tmp_path / "kv", 4 * block, IDENTITY)  # started before the other wrote anything
+    reader = DiskCache(tmp_path / "kv", 4 * block, IDENTITY, LAYOUT)  # started before the other wrote anything
     written(tmp_path / "kv", 4 * block, used, cache)
     assert reader.restore(used, 0)[1] == 4 * BLOCK_TOKENS
     reader.save(other, cache)  # one block of `used` must go
     reader.close()
-    assert DiskCache(tmp_path / "kv", 4 * block, IDENTITY).restore(used, 0)[1] == 3 * BLOCK_TOKENS
+    assert DiskCache(tmp_path / "kv", 4 * block, IDENTITY, LAYOUT).restore(used, 0)[1] == 3 * BLOCK_TOKENS
 
 
 def test_a_disk_that_fails_to_answer_is_a_miss(tmp_path, monkeypatch):
     """EIO (a failing external disk, a stale network mount) from looking a block up ended the worker."""
     tokens = list(range(2 * BLOCK_TOKENS))
     written(tmp_path, 1 << 30, tokens, kv_cache(len(tokens)))
-    disk = DiskCache(tmp_path, 1 << 30, IDENTITY)
+    disk = DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT)
     stat = os.stat
 
     def failing(path, *args, **kwargs):
@@ -245,7 +250,7 @@ def test_a_block_that_fails_to_queue_gives_its_room_back(tmp_path, monkeypatch):
     """An error evaluating a block (out of memory) left its reservation of the write queue held for good:
     a few of them, and nothing was written again."""
     tokens = list(range(BLOCK_TOKENS))
-    disk = DiskCache(tmp_path, 1 << 30, IDENTITY)
+    disk = DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT)
     evaluate = mx.eval
 
     def failing(*arrays):
@@ -268,5 +273,122 @@ def test_a_file_gone_while_a_worker_starts_is_skipped(tmp_path):
     directory = written(tmp_path, 1 << 30, tokens, kv_cache(len(tokens))).directory
     (directory / ("0" * 64 + ".kv")).symlink_to(tmp_path / "gone.kv")
     (directory / ("1" * 64 + ".1234.tmp")).symlink_to(tmp_path / "gone.tmp")
-    disk = DiskCache(tmp_path, 1 << 30, IDENTITY)
+    disk = DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT)
     assert disk.restore(tokens, 0)[1] == BLOCK_TOKENS
+
+
+def test_the_directories_are_this_users_own_and_never_a_link(tmp_path):
+    """A directory someone else could write, or a link planted where one goes, would let them plant
+    blocks, or turn the worker's chmod, writes and removals onto their own choice of files."""
+    opened = tmp_path / "open"
+    opened.mkdir(mode=0o777)
+    opened.chmod(0o777)
+    assert open_directory(opened).stat().st_mode & 0o777 == 0o700  # tightened
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="symbolic link"):
+        open_directory(tmp_path / "link")
+    # The model's own directory in it (named by its identity), planted as a link, a file, or another's.
+    model_dir = written(tmp_path / "kv", 1 << 30, [], kv_cache(1)).directory
+    model_dir.rmdir()
+    model_dir.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="symbolic link"):
+        DiskCache(tmp_path / "kv", 1 << 30, IDENTITY, LAYOUT)
+    assert (tmp_path / "elsewhere").stat().st_mode & 0o777 != 0o700  # never chmodded through the link
+    model_dir.unlink()
+    model_dir.write_text("")
+    with pytest.raises(ValueError, match="not a directory"):
+        DiskCache(tmp_path / "kv", 1 << 30, IDENTITY, LAYOUT)
+    if os.getuid() == 0:  # root can hand a directory to another user
+        model_dir.unlink()
+        model_dir.mkdir()
+        os.chown(model_dir, 65534, 65534)
+        with pytest.raises(ValueError, match="another user"):
+            DiskCache(tmp_path / "kv", 1 << 30, IDENTITY, LAYOUT)
+
+
+def test_a_link_planted_at_the_temporary_name_is_not_written_through(tmp_path):
+    tokens = list(range(BLOCK_TOKENS))
+    disk = DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (disk.directory / f"{chain_keys(IDENTITY, tokens)[0]}.{os.getpid()}.tmp").symlink_to(victim)
+    disk.save(tokens, kv_cache(len(tokens)))
+    disk.close()
+    assert victim.read_text() == "precious"
+    assert DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT).restore(tokens, 0)[1] == BLOCK_TOKENS
+
+
+def test_a_fifo_at_a_blocks_name_ends_the_chain_at_once(tmp_path):
+    """Its read never ended: the main thread, and every stream, waited on it."""
+    tokens = list(range(2 * BLOCK_TOKENS))
+    disk = written(tmp_path, 1 << 30, tokens, kv_cache(len(tokens)))
+    second = disk.directory / f"{chain_keys(IDENTITY, tokens)[1]}.kv"
+    second.unlink()
+    os.mkfifo(second)
+    assert DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT).restore(tokens, 0)[1] == BLOCK_TOKENS
+    assert not second.exists()
+
+
+def test_a_sound_block_of_another_layout_is_never_restored(tmp_path):
+    """Checked only against its chain's first block, a first block of another model's layout (its checksum
+    holds) was restored: fewer layers gave wrong answers, other head sizes failed every request in the step."""
+    tokens = list(range(2 * BLOCK_TOKENS))
+    disk = written(tmp_path / "kv", 1 << 30, tokens, kv_cache(len(tokens)))
+    for layers, other in ((3, kv_cache(len(tokens), layers=3)), (2, kv_cache(len(tokens), layers=2, seed=1))):
+        if layers == 2:  # the same layers, another head size
+            for c in other:
+                c.keys = mx.concatenate([c.keys, c.keys], axis=-1)
+        foreign = written(tmp_path / f"other{layers}", 1 << 30, tokens, other).directory
+        for key in chain_keys(IDENTITY, tokens):
+            shutil.copy(foreign / f"{key}.kv", disk.directory / f"{key}.kv")
+        assert DiskCache(tmp_path / "kv", 1 << 30, IDENTITY, LAYOUT).restore(tokens, 0) == (None, 0)
+        assert not (disk.directory / f"{chain_keys(IDENTITY, tokens)[0]}.kv").exists()
+
+
+def test_a_smaller_budget_is_kept_from_the_start(tmp_path):
+    """Restarted with a smaller --prefix-cache-disk-bytes, the directory stayed over it until a write."""
+    tokens = list(range(4 * BLOCK_TOKENS))
+    cache = kv_cache(len(tokens))
+    block = block_bytes(tmp_path, cache)
+    written(tmp_path / "kv", 1 << 30, tokens, cache)
+    smaller = DiskCache(tmp_path / "kv", 2 * block, IDENTITY, LAYOUT)
+    assert smaller.nbytes <= 2 * block and len(block_files(tmp_path / "kv")) == 2
+    assert smaller.restore(tokens, 0)[1] == 2 * BLOCK_TOKENS  # the chain's first blocks stayed
+
+
+def test_a_write_a_crash_cut_short_is_removed_when_the_next_worker_starts(tmp_path):
+    disk = DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT)
+    ended = subprocess.Popen(["true"])
+    dead = ended.pid if ended.wait() == 0 else None
+    cut_short = disk.directory / f"{'a' * 64}.{dead}.tmp"
+    writing = disk.directory / f"{'b' * 64}.{os.getppid()}.tmp"  # a live worker's, still being written
+    cut_short.write_bytes(b"half")
+    writing.write_bytes(b"half")
+    DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT)
+    assert not cut_short.exists() and writing.exists()
+
+
+def test_a_full_disk_lowers_the_budget_for_a_while(tmp_path, monkeypatch):
+    """It lowered it for good: room made later (by another model, or by hand) was never used again."""
+    tokens = list(range(2 * BLOCK_TOKENS))
+    cache = kv_cache(len(tokens))
+    disk = DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT)
+    opening = os.open
+
+    def full(path, *args, **kwargs):
+        if str(path).endswith(".tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return opening(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", full)
+    disk.save(tokens[:BLOCK_TOKENS], cache)
+    disk.close()
+    assert disk.budget == 0
+    monkeypatch.setattr(os, "open", opening)
+    monkeypatch.setattr("worker.disk_cache.FULL_DISK_RETRY_S", 0.0)
+    disk = DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT)
+    disk._full_at, disk.budget = time.monotonic() - 1, 0  # as the full disk left it
+    disk.save(tokens, cache)
+    disk.close()
+    assert disk.budget == 1 << 30 and len(block_files(tmp_path)) == 2

@@ -14,7 +14,7 @@ from mlx_lm.generate import generate_step
 from gateway.ledger import batch_kv
 from protocol import AddRequest, Sampling
 from worker.engine import Engine
-from worker.footprint import kv_footprint
+from worker.footprint import kv_footprint, probe_cache
 from worker.grammar import Grammars
 from worker.model import load_model
 from worker.prefix_cache import PrefixCache
@@ -229,7 +229,7 @@ def test_presence_and_frequency_penalties_count_the_completion_only(loaded):
 def test_the_ledgers_kv_charge_covers_what_the_batch_holds(loaded):
     """One long request beside seven short ones: mlx-lm pads the short rows to the long one's
     length, and the ledger charges what that holds (it charged the sum of the lengths, 7.5x less)."""
-    footprint = kv_footprint(loaded.model)
+    footprint = kv_footprint(probe_cache(loaded.model))
     engine = Engine(loaded.model, eos_token_ids=loaded.eos_token_ids, vocab_size=loaded.vocab_size,
                     context_length=2048, capacity=8, prefill_batch_size=8, prefill_step_size=512)
     lengths, max_tokens = [1900] + [8] * 7, 16
