@@ -169,10 +169,12 @@ def thinking(think: bool | str | None) -> dict | None:
 def chat_input(messages: list[Message], think: bool | str | None, param: str = "messages") -> ChatInput:
     """The messages as chat templates take them, and their images in order.
 
-    Ollama's messages carry no call ids; templates that pair a tool's result
-    with its call by id (Kimi's, Mistral's: nine letters or digits) get ids
-    made from the call's place, and each `tool` message the id of its turn's
-    next call (of its `tool_name`, when it names one)."""
+    Calls carry the ids the answers gave them, and a `tool` message the
+    `tool_call_id` of the call it answers, where clients send them back
+    (templates that pair a tool's result with its call by id use them: Kimi's,
+    Mistral's); where they do not, a call gets an id made from its place, and
+    a `tool` message the id of its turn's next call (of its `tool_name`, when
+    it names one)."""
     out, images = [], []
     unanswered: list[dict] = []  # the calls of the latest assistant message not answered yet
     for i, m in enumerate(messages):
@@ -183,13 +185,14 @@ def chat_input(messages: list[Message], think: bool | str | None, param: str = "
         if m.images:
             images += [ImageSource(f"{param}[{i}].images[{j}]", data=image) for j, image in enumerate(m.images)]
             content = [{"type": "image"} for _ in m.images] + [{"type": "text", "text": m.content}]
-        calls = [template_tool_call(f"c{i:05d}{k:03d}", c.function.name, c.function.arguments)
+        calls = [template_tool_call(c.id or f"c{i:05d}{k:03d}", c.function.name, c.function.arguments)
                  for k, c in enumerate(m.tool_calls or [])]
         if calls:
             unanswered = list(calls)
         extra = {"name": m.tool_name} if m.tool_name else {}
         if role == "tool":
-            answered = next((c for c in unanswered if m.tool_name in (None, "", c["function"]["name"])), None)
+            answered = next((c for c in unanswered if c["id"] == m.tool_call_id), None) if m.tool_call_id else \
+                next((c for c in unanswered if m.tool_name in (None, "", c["function"]["name"])), None)
             if answered is not None:
                 unanswered.remove(answered)
                 extra["tool_call_id"] = answered["id"]
@@ -215,7 +218,7 @@ def plan(prompt: ChatInput | str, body: ChatRequest | GenerateRequest, tools: li
 def calls_of(calls: list[ParsedCall], first: int = 0) -> list[ToolCall] | None:
     """Tool calls as Ollama writes them: arguments as an object; `first`: the
     index of the first (the answer's calls written before them)."""
-    return [ToolCall(ToolCallFunction(c.name, arguments_object(c.arguments) or {}, first + i))
+    return [ToolCall(ToolCallFunction(c.name, arguments_object(c.arguments) or {}, first + i), c.id)
             for i, c in enumerate(calls)] or None
 
 
@@ -419,6 +422,8 @@ class OllamaAPI:
 
     async def show(self, request: Request) -> Response:
         body = decode_ollama(await self.serving.read_body(request), ShowRequest)
+        if not (body.model or body.name):
+            raise APIError(400, "model is required", param="model")
         name = self.serving.served_name(body.model or body.name, self.serving.model_names())
         entry = self._entry(name)
         worker = self.serving.link.worker_of(name)
@@ -440,8 +445,8 @@ class OllamaAPI:
 
     def _entry(self, name: str) -> ModelEntry:
         facts = self.serving.model_facts(name)
-        worker = self.serving.link.worker_of(name)
-        digest = worker.hello.model_digest if worker is not None else hashlib.sha256(name.encode()).hexdigest()
+        # The same whether the model is loaded or not, and another once its files change (clients cache by it).
+        digest = hashlib.sha256(f"{name}\0{facts.size}\0{facts.modified}".encode()).hexdigest()
         details = Details(format=facts.format, family=facts.family, families=[facts.family] if facts.family else [],
                           parameter_size=facts.parameter_size, quantization_level=facts.quantization)
         return ModelEntry(name=tagged(name), model=tagged(name), modified_at=timestamp(facts.modified or

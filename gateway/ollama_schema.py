@@ -45,8 +45,9 @@ class ToolCallFunction(msgspec.Struct):
     index: int | None = 0  # null as Go reads it, should a client send one back
 
 
-class ToolCall(msgspec.Struct):
+class ToolCall(msgspec.Struct, omit_defaults=True):
     function: ToolCallFunction
+    id: str | None = None  # what a `tool` message's tool_call_id names
 
 
 class Message(msgspec.Struct):
@@ -56,6 +57,7 @@ class Message(msgspec.Struct):
     tool_calls: list[ToolCall] | None = None
     thinking: str | None = None
     tool_name: str | None = None  # on a "tool" message: the tool whose result it is
+    tool_call_id: str | None = None  # on a "tool" message: the call it answers
 
 
 class FunctionDefinition(msgspec.Struct):

@@ -184,13 +184,14 @@ class Serving:
         return list(dict.fromkeys(names))
 
     def model_facts(self, name: str) -> ModelFacts:
-        """What listings say of the served model `name`: what its files say, with what its worker measured."""
+        """What listings say of the served model `name`: what its files say, with what its worker measured
+        (its size only where its files are not on this machine: loaded, its weights may be dequantized)."""
         pooled = self.pool.find(name)
         facts = model_facts(model_source(pooled.supervisor.settings)) if pooled is not None else ModelFacts()
         worker = self.link.worker_of(name)
         if worker is not None:
             facts.context_length = worker.hello.context_length
-            facts.size = worker.hello.weights_bytes or facts.size
+            facts.size = facts.size or worker.hello.weights_bytes
         return facts
 
     def served_name(self, model: str, names: list[str]) -> str:

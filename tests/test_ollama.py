@@ -200,8 +200,13 @@ def test_load_and_unload_with_an_empty_request(tiny_model, tmp_path):
         wait_for(srv.answers, 30, "the gateway")
         client = ollama.Client(host=srv.url)
         assert client.ps().models == []
+        unloaded = client.list().models
         assert client.generate(model=MODEL_NAME).done_reason == "load"
         assert [m.model for m in client.ps().models] == [MODEL_NAME + ":latest"]
+        # What its files say, loaded or not (loaded, its weights may be dequantized): clients cache by the digest.
+        assert [(m.size, m.digest, m.details) for m in client.list().models] == [
+            (m.size, m.digest, m.details) for m in unloaded]
+        assert re.fullmatch("[0-9a-f]{64}", unloaded[0].digest)
         assert client.generate(model=MODEL_NAME, keep_alive=0).done_reason == "unload"
         assert client.ps().models == []
         assert client.chat(model=MODEL_NAME, messages=[]).done_reason == "load"
@@ -261,6 +266,7 @@ def test_a_pinned_model_outlasts_a_clients_unload(tiny_model, tmp_path):
     ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"top_k": 2**64}}, 400, "top_k"),
     ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"stop": ["x"] * 65}}, 400, "stop"),
     ("/api/show", {"model": "nope"}, 404, "does not exist"),
+    ("/api/show", {}, 400, "model is required"),
     ("/api/show", {"model": MODEL_NAME, "verbose": "very"}, 400, "verbose"),
     ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"temperature": "inf"}}, 400, "temperature"),
     ("/api/embed", {"model": MODEL_NAME, "input": "x", "options": "fast"}, 400, "options"),

@@ -429,6 +429,8 @@ def test_ollama_numbers_an_answers_tool_calls(scripted):
     whole = httpx.post(server.url + "/api/chat", json={**body, "stream": False}, timeout=60).json()
     assert [(c["function"]["name"], c["function"]["index"]) for c in whole["message"]["tool_calls"]] == [
         ("get_weather", 0), ("get_time", 1)]
+    ids = [c["id"] for c in whole["message"]["tool_calls"]]  # as Ollama gives them, for tool_call_id
+    assert len(set(ids)) == 2 and all(i.startswith("call_") for i in ids)
     with httpx.stream("POST", server.url + "/api/chat", json=body, timeout=60) as r:
         lines = [json.loads(line) for line in r.iter_lines() if line]
     streamed = [c["function"] for line in lines for c in line["message"].get("tool_calls") or []]

@@ -25,3 +25,17 @@ def test_tool_results_get_the_ids_of_the_calls_they_answer():
     assert len(set(ids)) == 3 and all(len(i) == 9 and i.isalnum() for i in ids)  # as Mistral's templates demand
     assert [m.get("tool_call_id") for m in rendered[2:5]] == [ids[1], ids[0], ids[2]]
     assert "tool_call_id" not in rendered[5]
+
+
+def test_the_ids_a_client_sends_back_pair_a_result_with_its_call():
+    """Ollama's answers carry each call's id now, and a tool result may name it (`tool_call_id`)."""
+    messages = [
+        Message("user", "Weather in Paris and Rome?"),
+        Message("assistant", tool_calls=[ToolCall(ToolCallFunction("get_weather", {"city": "Paris"}), "call_p"),
+                                         ToolCall(ToolCallFunction("get_weather", {"city": "Rome"}), "call_r")]),
+        Message("tool", "rainy", tool_name="get_weather", tool_call_id="call_r"),
+        Message("tool", "sunny", tool_name="get_weather", tool_call_id="call_p"),
+    ]
+    rendered = chat_input(messages, None).messages
+    assert [c["id"] for c in rendered[1]["tool_calls"]] == ["call_p", "call_r"]
+    assert [m["tool_call_id"] for m in rendered[2:4]] == ["call_r", "call_p"]
