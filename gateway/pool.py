@@ -507,10 +507,32 @@ class ModelPool:
             m.stop_task, m.unload_requested = None, False
             self._notify()
 
-    def _unload_soon(self, m: PooledModel) -> None:
-        task = asyncio.get_running_loop().create_task(self._unload_if_idle(m))
+    def _unload_soon(self, m: PooledModel | None) -> None:
+        """Unload `m` if it is idle (None: idle models until the pool is back within its budget)."""
+        task = asyncio.get_running_loop().create_task(self._unload_if_idle(m) if m else self._unload_excess())
         self._unloading.add(task)  # held until done: the loop keeps only a weak reference
         task.add_done_callback(self._unloading.discard)
+
+    async def _unload_excess(self) -> None:
+        """A worker measured its weights as more than its files said (dequantized,
+        or a download not made yet, counted as nothing): the pool is over its
+        budget. Idle models go, least recently used first, until it is not;
+        busy ones finish their requests first."""
+        async with self._lock:
+            going = sum(m.charge.total_here for m in self.models.values() if m.stopping)  # stopping already
+            over = self.used - going - self.budget
+            idle = sorted((m for m in self.models.values() if m.running and not m.pinned and m.users == 0
+                           and self.status(m.name) == "loaded"), key=lambda m: m.last_used)
+            victims = []
+            for m in idle:
+                if over <= 0:
+                    break
+                victims.append(m)
+                over -= m.charge.total_here
+            stops = self._make_room(victims, "the pool is over its memory budget (a model measured larger "
+                                             "than its files)")
+        if stops:
+            await asyncio.wait(stops)
 
     async def _unload_if_idle(self, m: PooledModel) -> None:
         async with self._lock:
@@ -529,6 +551,8 @@ class ModelPool:
                     m.idle_once_ready, m.idle_until = None, now + keep
                 if m.running and m.users == 0 and now >= m.idle_until:
                     self._unload_soon(m)  # not awaited: one worker slow to stop holds up no other model's unload
+            if self.used > self.budget and not self._unloading:
+                self._unload_soon(None)
 
     def _notify(self) -> None:
         self._changed.set()

@@ -384,6 +384,27 @@ def test_a_model_larger_than_the_budget_is_a_400(models, tmp_path):
         srv.stop()
 
 
+def test_a_model_larger_loaded_than_on_disk_makes_room_once_measured(models, tmp_path):
+    """A 4-bit model (dequantized here to float32) is charged its files' size until its worker measures it;
+    then the pool was over its budget for good, its models sharing memory it did not have."""
+    from mlx_lm import convert
+
+    quantized = tmp_path / "q"
+    convert(hf_path=str(models["gamma"]), mlx_path=str(quantized), quantize=True, q_bits=4)
+    args = ["serve", "--heartbeat-s", "0.1", "--model", f"alpha={models['alpha']}", "--model", f"q={quantized}",
+            "--memory-budget", "700000", "--prefix-cache-bytes", "0"]
+    srv = Server(args, tmp_path / "serve.log", env=LAZY)
+    try:
+        wait_for(srv.answers, 60, "the gateway")
+        assert "choices" in complete(srv, "alpha")
+        assert srv.http.post("/admin/models/q/load").status_code == 200  # it fit as its files' 85 KB
+        wait_for(lambda: srv.health()["pool"]["used"] <= 700_000, 10, "alpha, idle, to make room")
+        assert statuses(srv) == {"alpha": "unloaded", "q": "loaded"}
+        assert "over its memory budget" in srv.log_path.read_text()
+    finally:
+        srv.stop()
+
+
 def test_a_load_slower_than_the_wait_goes_on_when_its_request_gives_up(models, tmp_path):
     """keep_alive 0 and a load longer than --worker-wait-s: the request's 503 left the model idle, and it was
     stopped mid-load (each retry starting it over, a large model never served). It finishes loading now;
