@@ -211,6 +211,8 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
             Route("/v1/responses", responses.create, methods=["POST"]),
             Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
             Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+            Route("/v1/responses/{response_id}", responses.not_offered, methods=["POST"]),  # compact, input_tokens
+            Route("/v1/responses/{response_id}/{action}", responses.not_offered, methods=["GET", "POST"]),
             Route("/v1/messages", anthropic.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
             Route("/v1/requests/{request_id}/cancel", cancel, methods=["POST"]),

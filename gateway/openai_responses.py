@@ -235,22 +235,40 @@ def conversation(items: list[Any]) -> tuple[list[dict], list[ImageSource]]:
     return messages, images
 
 
+# Tools OpenAI's servers run (Codex sends web_search whatever the provider): not offered to the model.
+HOSTED_TOOLS = ("file_search", "computer", "computer_use_preview", "web_search", "web_search_preview", "mcp",
+                "code_interpreter", "image_generation", "tool_search", "programmatic_tool_calling")
+
+
 def function_tools(body: CreateResponse) -> tuple[list[dict], dict[str, str]]:
     """The function tools, as the body gives them, with those of its namespace
     tools (Codex's sub-agents come so), and the namespace of each of the
-    latter by its name; hosted tools are not offered."""
+    latter by its name; hosted tools are not offered. A tool of another type
+    (the client's own custom, shell or apply_patch tools, which it would wait
+    in vain for the model to call) is a 400."""
     tools, namespaces = [], {}
     for i, tool in enumerate(body.tools or []):
-        if tool.get("type") == "function":
+        if _offered(tool, f"tools[{i}]"):
             tools.append(msgspec.to_builtins(convert(tool, FunctionTool, f"tools[{i}]")))
         elif tool.get("type") == "namespace":
             namespace = convert(tool, NamespaceTool, f"tools[{i}]")
             for j, member in enumerate(namespace.tools):
-                if member.get("type") == "function":
+                if _offered(member, f"tools[{i}].tools[{j}]"):
                     function = msgspec.to_builtins(convert(member, FunctionTool, f"tools[{i}].tools[{j}]"))
                     tools.append(function)
                     namespaces[function["name"]] = namespace.name
     return tools, namespaces
+
+
+def _offered(tool: dict, param: str) -> bool:
+    """A function tool (True), a hosted tool or a namespace (False), or a 400."""
+    kind = tool.get("type")
+    if kind == "function":
+        return True
+    if kind == "namespace" or isinstance(kind, str) and kind.startswith(HOSTED_TOOLS):  # web_search_2025_08_26
+        return False
+    raise APIError(400, f"{param}: tools of type {kind!r} are not supported here; give the tool as a function",
+                   param=f"{param}.type")
 
 
 def responses_plan(body: CreateResponse, previous: StoredResponse | None, offered: list[dict],
@@ -318,7 +336,14 @@ class ResponsesAPI:
         return await self.serving.respond(request, plan, ResponseOutput(body, tools, keep, namespaces))
 
     async def retrieve(self, request: Request) -> Response:
+        if request.query_params.get("stream", "false").lower() != "false":
+            raise APIError(400, "a stored response is retrieved whole here, not streamed again", param="stream")
         return MsgspecResponse(self._stored(request).response)
+
+    async def not_offered(self, request: Request) -> Response:
+        """The Responses API's other endpoints (compact, input_tokens, input_items, cancel): a clear 404,
+        not a 405 from the route they resemble (which clients read as a bug of their own)."""
+        raise APIError(404, f"mlxd does not offer {request.method} {request.url.path}", type="not_found_error")
 
     async def delete(self, request: Request) -> Response:
         response_id = self._stored(request).response.id

@@ -66,6 +66,9 @@ class FunctionCallOutputItem(msgspec.Struct, forbid_unknown_fields=True):
     output: str | list[InputText | InputImage]
     id: str | None = None
     status: str | None = None
+    name: str | None = None  # accepted, not used: the call_id names the call
+    namespace: str | None = None  # accepted, not used
+    caller: dict[str, Any] | None = None  # accepted, not used
 
     def text(self) -> str:
         """The output's text, an image in it named as left out (chat templates take no images in a tool's result)."""

@@ -124,6 +124,11 @@ def test_a_response_not_stored_cannot_be_continued(client):
     ({"model": MODEL_NAME, "input": [{"role": "user", "content": "x", "colour": 1}]}, "input[0].colour"),
     ({"model": MODEL_NAME, "input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
     ({"model": MODEL_NAME, "input": "x", "tools": [{"type": "function"}]}, "tools[0]"),
+    # The client's own tools of other kinds would be waited for in vain: they were dropped without a word.
+    ({"model": MODEL_NAME, "input": "x", "tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0].type"),
+    ({"model": MODEL_NAME, "input": "x", "tools": [{"type": "web_search"}, {"name": "f"}]}, "tools[1].type"),
+    ({"model": MODEL_NAME, "input": "x", "tools": [{"type": "namespace", "name": "n", "description": "d",
+                                                    "tools": [{"type": "local_shell"}]}]}, "tools[0].tools[0].type"),
     ({"model": MODEL_NAME, "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"model": MODEL_NAME, "input": "x", "tool_choice": "required"}, "tool_choice"),
     ({"model": MODEL_NAME, "input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "banana"}}}},
@@ -174,6 +179,23 @@ def test_a_function_call_round_trip(tool_server, validate):
                {"type": "function_call_output", "call_id": calls[0].call_id, "output": "18 degrees and sunny"}]
     resent = client.responses.create(model="scripted", input=history, tools=TOOLS, temperature=0, store=False)
     assert resent.usage.input_tokens == second.usage.input_tokens
+    # The spec's other fields of a call's output (its function's name) are taken, as its call's are.
+    history[-1] |= {"name": CALL["name"], "caller": {"type": "direct"}}
+    named = client.responses.create(model="scripted", input=history, tools=TOOLS, temperature=0, store=False)
+    assert named.usage.input_tokens == second.usage.input_tokens
+
+
+def test_what_is_not_offered_says_so(server):
+    """A stored response asked for as a stream answered JSON, which the SDK read as an empty stream; the API's
+    other endpoints were a 405 (compact, input_tokens: the route of a stored response) or a bare 404."""
+    stored = server.http.post("/v1/responses", json={"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 2})
+    streamed = server.http.get(f"/v1/responses/{stored.json()['id']}", params={"stream": "true"})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
+    for method, path in (("POST", "/v1/responses/compact"), ("POST", "/v1/responses/input_tokens"),
+                         ("GET", f"/v1/responses/{stored.json()['id']}/input_items"),
+                         ("POST", f"/v1/responses/{stored.json()['id']}/cancel")):
+        answer = server.http.request(method, path, json={"model": MODEL_NAME, "input": "Hi"})
+        assert answer.status_code == 404 and f"does not offer {method} {path}" in answer.json()["error"]["message"]
 
 
 def test_text_after_a_call_sent_back_is_the_same_turn_as_stored(tmp_path):
