@@ -314,6 +314,10 @@ class ResponsesAPI:
 
     async def create(self, request: Request) -> Response:
         body = decode_body(await self.serving.read_body(request), CreateResponse)
+        if "message.output_text.logprobs" in (body.include or []) or body.top_logprobs:
+            raise APIError(400, "log-probabilities are not given on the Responses API here: "
+                                "/v1/chat/completions gives them (logprobs, top_logprobs)",
+                           param="include" if body.include else "top_logprobs")
         client_id = request.scope["state"]["client_id"]
         previous = None
         if body.previous_response_id is not None:

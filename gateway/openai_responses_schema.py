@@ -162,7 +162,12 @@ class CreateResponse(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     store: bool | None = True
-    include: list[str] | None = None
+    # The spec's values (what they add is hosted tools' results, or kept from a stateless client: nothing
+    # here), but for the text's log-probabilities, which are not given here: a 400 (openai_responses).
+    include: list[Literal["file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+                          "message.input_image.image_url", "computer_call_output.output.image_url",
+                          "code_interpreter_call.outputs", "reasoning.encrypted_content",
+                          "message.output_text.logprobs"]] | None = None
     metadata: dict[str, str] | None = None
     # Accepted, not used: the prefix cache finds shared prefixes by itself.
     prompt_cache_key: str | None = None

@@ -130,6 +130,10 @@ def test_a_response_not_stored_cannot_be_continued(client):
     ({"model": MODEL_NAME, "input": "x", "tools": [{"type": "namespace", "name": "n", "description": "d",
                                                     "tools": [{"type": "local_shell"}]}]}, "tools[0].tools[0].type"),
     ({"model": MODEL_NAME, "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    # Asked for and not given, they were ignored: an empty list of log-probabilities.
+    ({"model": MODEL_NAME, "input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 2}, "include"),
+    ({"model": MODEL_NAME, "input": "x", "top_logprobs": 2}, "top_logprobs"),
+    ({"model": MODEL_NAME, "input": "x", "include": ["bogus.value"]}, "include"),
     ({"model": MODEL_NAME, "input": "x", "tool_choice": "required"}, "tool_choice"),
     ({"model": MODEL_NAME, "input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "banana"}}}},
      "text.format"),
