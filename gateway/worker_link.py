@@ -251,10 +251,9 @@ class WorkerLink:
         """Send a request, its prompt prepared for `prepared_by`'s weights, to a
         ready worker serving them (chosen now, as load changes while prompts
         are prepared)."""
-        digest = prepared_by.hello.model_digest
-        if not any(w.ready and w.hello.model_digest == digest for w in self.workers.values()):
+        state.model_digest, state.model_names = prepared_by.hello.model_digest, prepared_by.names
+        if not any(_serves(w, state.model_digest, state.model_names) for w in self.workers.values()):
             raise WorkerUnavailable("the worker went away")
-        state.model_digest, state.model_names = digest, prepared_by.names
         self.outputs.add(state)
         self._dispatch(state)
 
@@ -263,8 +262,7 @@ class WorkerLink:
         `prepared_by`'s weights. WorkerUnavailable if there is none or it is
         lost meanwhile (embedding again is cheap: the client may retry);
         WorkerRejected if the worker cannot embed them."""
-        digest = prepared_by.hello.model_digest
-        ready = [w for w in self.workers.values() if w.ready and w.hello.model_digest == digest]
+        ready = [w for w in self.workers.values() if _serves(w, prepared_by.hello.model_digest, prepared_by.names)]
         if not ready:
             raise WorkerUnavailable("the worker went away")
         # Embeddings requests count as load too: each worker reads its own in turn.
@@ -329,7 +327,7 @@ class WorkerLink:
         """Send the request (or its continuation) to the ready worker serving its
         weights that the module's docstring says; None if there is none, or
         the send failed (the request then waits for one)."""
-        ready = [w for w in self.workers.values() if w.ready and w.hello.model_digest == state.model_digest]
+        ready = [w for w in self.workers.values() if _serves(w, state.model_digest, state.model_names)]
         if not ready:
             return None
         load = self._running_by_worker()
@@ -677,3 +675,9 @@ class WorkerLink:
                 if now > deadline:
                     del self._resume_by[request_id]
                     self._fail_after_loss(request_id, f"no worker came back within {self.worker_wait_s:g}s")
+
+
+def _serves(worker: WorkerState, digest: str, names: Sequence[str]) -> bool:
+    """A ready replica of a request's model: its weights, under one of its names (two models of the same
+    weights, `--model a=X --model b=X`, keep to their own workers: each is charged its own)."""
+    return worker.ready and worker.hello.model_digest == digest and not set(worker.names).isdisjoint(names)

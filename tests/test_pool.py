@@ -405,6 +405,27 @@ def test_a_model_larger_loaded_than_on_disk_makes_room_once_measured(models, tmp
         srv.stop()
 
 
+def test_two_models_of_the_same_weights_keep_to_their_own_workers(models, tmp_path):
+    """Workers were picked by their weights alone: twin's ran alpha's requests, charged to alpha, so twin
+    looked idle and could be unloaded under them."""
+    args = ["serve", "--heartbeat-s", "0.1", "--model", f"alpha={models['alpha']}", "--model",
+            f"twin={models['alpha']}"]
+    with running(args, tmp_path / "serve.log") as srv:
+        wait_for(lambda: len([w for w in srv.health()["workers"] if w["ready"]]) == 2, 60, "both workers")
+        threads = [threading.Thread(target=complete, args=(srv, "alpha", 16)) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+
+        def steps(name: str) -> int:
+            return next(w["steps"] for w in srv.health()["workers"] if w["names"] == [name])
+
+        wait_for(lambda: steps("alpha") > 0, 10, "alpha's worker's steps in its heartbeat")
+        time.sleep(0.3)  # past another heartbeat of twin's
+        assert steps("twin") == 0
+
+
 def test_a_load_slower_than_the_wait_goes_on_when_its_request_gives_up(models, tmp_path):
     """keep_alive 0 and a load longer than --worker-wait-s: the request's 503 left the model idle, and it was
     stopped mid-load (each retry starting it over, a large model never served). It finishes loading now;
