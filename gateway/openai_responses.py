@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,13 +192,16 @@ def _continue_turn(message: dict, parts: list[dict], reasoning: str) -> None:
         message["reasoning_content"] = message.get("reasoning_content", "") + reasoning
 
 
-def conversation(items: list[Any]) -> tuple[list[dict], list[ImageSource]]:
+def conversation(items: list[Any], before: Sequence[dict] = ()) -> tuple[list[dict], list[ImageSource]]:
     """Input items as chat template messages: a function call, or an assistant
     message, joins the assistant message before it; a reasoning item goes to the assistant
     message after it as its `reasoning_content`, for templates that replay
-    it (Qwen 3's, after the last user message: an agent's tool loop)."""
+    it (Qwen 3's, after the last user message: an agent's tool loop).
+    A call's output must answer a call, of these items or of the
+    conversation `before` them (a 400, as OpenAI answers)."""
     messages: list[dict] = []
     images: list[ImageSource] = []
+    calls = {call["id"] for m in before for call in m.get("tool_calls") or ()}
     reasoning = ""  # of the reasoning items since the last assistant message
     for i, item in enumerate(items):
         if isinstance(item, ReasoningItemIn):
@@ -222,6 +225,7 @@ def conversation(items: list[Any]) -> tuple[list[dict], list[ImageSource]]:
                 messages.append(template_message(role, parts, None, reasoning if role == "assistant" else ""))
             reasoning = ""  # an assistant message's, or of a turn that ended before one (cut short)
         elif isinstance(item, FunctionCallItem):
+            calls.add(item.call_id)
             call = template_tool_call(item.call_id, item.name, item.arguments)
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
@@ -231,6 +235,9 @@ def conversation(items: list[Any]) -> tuple[list[dict], list[ImageSource]]:
                 messages.append(template_message("assistant", [], [call], reasoning))
             reasoning = ""
         elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in calls:
+                raise APIError(400, f"No tool call found for function call output with call_id {item.call_id}.",
+                               param=f"input[{i}].call_id")
             messages.append(template_message("tool", item.text(), tool_call_id=item.call_id))
     return messages, images
 
@@ -274,7 +281,7 @@ def _offered(tool: dict, param: str) -> bool:
 def responses_plan(body: CreateResponse, previous: StoredResponse | None, offered: list[dict],
                    stored_item: Callable[[str], dict | None]) -> Plan:
     """offered: the body's function tools (function_tools); stored_item: see input_items."""
-    messages, images = conversation(input_items(body, stored_item))
+    messages, images = conversation(input_items(body, stored_item), previous.messages if previous else ())
     if previous is not None:
         messages, images = previous.messages + messages, previous.images + images
     if body.instructions:

@@ -134,6 +134,10 @@ def test_a_response_not_stored_cannot_be_continued(client):
     ({"model": MODEL_NAME, "input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 2}, "include"),
     ({"model": MODEL_NAME, "input": "x", "top_logprobs": 2}, "top_logprobs"),
     ({"model": MODEL_NAME, "input": "x", "include": ["bogus.value"]}, "include"),
+    # A call's output that answers no call, as OpenAI refuses it (it went into the prompt as a tool's result).
+    ({"model": MODEL_NAME, "input": [{"role": "user", "content": "x"},
+                                     {"type": "function_call_output", "call_id": "c9", "output": "18"}]},
+     "input[1].call_id"),
     ({"model": MODEL_NAME, "input": "x", "tool_choice": "required"}, "tool_choice"),
     ({"model": MODEL_NAME, "input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "banana"}}}},
      "text.format"),
