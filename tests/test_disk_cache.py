@@ -86,6 +86,24 @@ def test_kv_state_outlives_the_worker_and_a_damaged_file_costs_only_a_prefill(ti
     assert again.choices[0].message.content == expected
 
 
+def test_an_mrope_vision_models_blocks_come_back_after_a_restart(tmp_path):
+    """Qwen2-VL's cache is mRoPE's kind of KVCache: it was taken for one the tier cannot keep, and its blocks
+    were written and never read back."""
+    from tests.reference import VisionReference
+    from tests.tiny_vision_model import make_tiny_vision_model
+
+    model = make_tiny_vision_model(tmp_path / "qwen2_vl", family="qwen2_vl")
+    expected = VisionReference(model).greedy(MESSAGES, [], 16).text
+    directory = tmp_path / "kv"
+    with running(serve_args(model, directory), tmp_path / "first.log") as srv:
+        assert ask(srv).choices[0].message.content == expected
+        wait_for(lambda: len(blocks(directory)) >= 5, 10, "blocks written")
+    with running(serve_args(model, directory), tmp_path / "second.log") as srv:
+        warm = ask(srv)
+        assert disk_tokens(srv) >= 5 * 256
+    assert warm.usage.prompt_tokens_details.cached_tokens >= 5 * 256 and warm.choices[0].message.content == expected
+
+
 def test_another_model_never_reads_the_blocks(tiny_model, reference, tmp_path):
     directory = tmp_path / "kv"
     whole_blocks = (len(reference.chat_prompt(MESSAGES)) + 16) // 256

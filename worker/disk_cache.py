@@ -99,8 +99,9 @@ def _layout(arrays: list[mx.array]) -> bytes:
 def layout_of(cache: list) -> BlockLayout | None:
     """The layout of the model's blocks, read off its cache after a token
     (worker.footprint.probe_cache); None for a cache the tier cannot keep
-    (not plain KVCache layers: it then keeps nothing)."""
-    if not cache or any(type(c) is not KVCache for c in cache):
+    (layers other than KVCache's, or a kind of it, such as mRoPE models'
+    RopeKVCache: it then keeps nothing)."""
+    if not cache or not all(isinstance(c, KVCache) for c in cache):
         return None
     arrays = [a for c in cache for a in (c.keys, c.values)]
     return BlockLayout([[*a.shape[:2], BLOCK_TOKENS, a.shape[3]] for a in arrays], [_dtype_name(a) for a in arrays])
@@ -128,14 +129,28 @@ class Block(NamedTuple):
     file_bytes: int
 
 
-def read_block(path: Path, max_bytes: int) -> Block:
-    """A block file's contents after its checks. No MLX: the reader threads run it.
-    A symbolic link, a FIFO (whose read would never end) or a device is no block."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+def file_bytes(layout: BlockLayout) -> int:
+    """The size of a block file of this layout."""
+    arrays = sum(math.prod(shape) * ITEM_BYTES[name] for shape, name in zip(layout.shapes, layout.dtypes))
+    return _header_bytes(msgspec.msgpack.encode(layout)) + arrays
+
+
+def read_block(path: Path, size: int) -> Block:
+    """A block file's contents after its checks (`size`: a block's of the
+    model's layout). No MLX: the reader threads run it. A symbolic link, a
+    FIFO (whose read would never end) or a device is no block."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorruptBlock("a symbolic link") from None
+        raise
     with os.fdopen(fd, "rb") as f:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > max_bytes:
-            raise CorruptBlock("not a block file")
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptBlock("not a regular file")
+        if info.st_size != size:
+            raise CorruptBlock(f"{info.st_size} bytes, where this model's blocks have {size}")
         data = f.read()
     if len(data) < len(MAGIC) + 36 or not data.startswith(MAGIC):
         raise CorruptBlock("not a block file")
@@ -165,7 +180,7 @@ def open_directory(directory: Path) -> Path:
     ValueError that says why one cannot serve: not a directory, a symbolic
     link, not this user's, not writable. Run before the model loads: a worker
     that cannot use its directory fails at once with the reason, not after a load."""
-    directory = own_directory(directory.expanduser(), parents=True)
+    directory = own_directory(directory.expanduser(), parents=True, tighten=False)
     if not os.access(directory, os.W_OK | os.X_OK):
         raise ValueError(f"{directory} is not writable")
     # Blocks of the layout before each model had its own directory: named by their key, starting with MAGIC
@@ -177,10 +192,12 @@ def open_directory(directory: Path) -> Path:
     return directory
 
 
-def own_directory(directory: Path, parents: bool = False) -> Path:
-    """`directory`, made if it is not there, this user's own (not a symbolic
-    link, nobody else's), its mode tightened to 0700 (the umask, or an
-    operator's mkdir, may have left it open); ValueError saying why not."""
+def own_directory(directory: Path, parents: bool = False, tighten: bool = True) -> Path:
+    """`directory`, made (0700) if it is not there, this user's own (not a
+    symbolic link, nobody else's), nobody else's to write; ValueError saying
+    why not. tighten: its mode is made 0700 (a model's directory, the
+    worker's own); else (the operator's) one others may write is refused,
+    never changed: `--prefix-cache-dir /tmp` must not close /tmp to everyone."""
     with contextlib.suppress(FileExistsError):
         directory.mkdir(mode=0o700, parents=parents)
     info = directory.lstat()
@@ -190,8 +207,10 @@ def own_directory(directory: Path, parents: bool = False) -> Path:
         raise ValueError(f"{directory} is not a directory")
     if info.st_uid != os.getuid():
         raise ValueError(f"{directory} belongs to another user (uid {info.st_uid})")
-    if info.st_mode & 0o777 != 0o700:
+    if tighten and info.st_mode & 0o777 != 0o700:
         directory.chmod(0o700)
+    elif info.st_mode & 0o022:
+        raise ValueError(f"{directory} is writable by other users: give a directory of the worker's own")
     return directory
 
 
@@ -259,6 +278,8 @@ class DiskCache:
         # Once read, in the chain's order: blocks another worker wrote enter this one's count first to last,
         # so the touch must follow for the first to be the most recent (eviction trims a chain's end).
         self._touch([key for key, _ in chain[:len(blocks)]])
+        with self._lock:
+            self._make_room(0)  # blocks another worker wrote, counted now (the chain just read is the most recent)
         length = len(blocks) * BLOCK_TOKENS
         if length <= beyond:
             return None, 0
@@ -275,7 +296,9 @@ class DiskCache:
         """The arrays of the chain's blocks, read and checked by the reader
         threads, up to the first that fails its checks (it is removed) or
         cannot be read (a disk that fails to answer: it stays)."""
-        reads = [self._readers.submit(read_block, self._path(key), self.budget) for key, _ in chain]
+        assert self.layout is not None
+        size = file_bytes(self.layout)
+        reads = [self._readers.submit(read_block, self._path(key), size) for key, _ in chain]
         blocks: list[Block] = []
         for (key, known), read in zip(chain, reads):
             try:
@@ -295,7 +318,6 @@ class DiskCache:
                 with self._lock:
                     if os.path.exists(self._path(key)):  # another worker on the directory may have removed it since
                         self._count(key, block.file_bytes)
-                        self._make_room(0)
         return blocks
 
     def _assemble(self, blocks: list[Block]) -> list[mx.array]:
@@ -316,7 +338,7 @@ class DiskCache:
         """Queue for writing the blocks of `tokens` not on disk yet, from
         `cache` (their KV state). Only plain KV caches are kept: a window,
         a recurrent state or quantized keys cannot be cut into blocks here."""
-        if not cache or any(type(c) is not KVCache for c in cache):
+        if not cache or any(type(c) is not KVCache for c in cache) or layout_of(cache) != self.layout:
             return
         with self._lock:
             if self._full_at is not None and time.monotonic() - self._full_at > FULL_DISK_RETRY_S:

@@ -280,10 +280,17 @@ def test_a_file_gone_while_a_worker_starts_is_skipped(tmp_path):
 def test_the_directories_are_this_users_own_and_never_a_link(tmp_path):
     """A directory someone else could write, or a link planted where one goes, would let them plant
     blocks, or turn the worker's chmod, writes and removals onto their own choice of files."""
-    opened = tmp_path / "open"
-    opened.mkdir(mode=0o777)
-    opened.chmod(0o777)
-    assert open_directory(opened).stat().st_mode & 0o777 == 0o700  # tightened
+    shared = tmp_path / "shared"  # /tmp, say: refused, never closed to everyone else
+    shared.mkdir()
+    shared.chmod(0o1777)
+    with pytest.raises(ValueError, match="writable by other users"):
+        open_directory(shared)
+    assert shared.stat().st_mode & 0o7777 == 0o1777
+    readable = tmp_path / "readable"  # an operator's mkdir: left as it is, the model's directories in it are 0700
+    readable.mkdir()
+    readable.chmod(0o755)
+    assert open_directory(readable).stat().st_mode & 0o777 == 0o755
+    assert written(readable, 1 << 30, [], kv_cache(1)).directory.stat().st_mode & 0o777 == 0o700
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(ValueError, match="symbolic link"):
@@ -392,3 +399,51 @@ def test_a_full_disk_lowers_the_budget_for_a_while(tmp_path, monkeypatch):
     disk.save(tokens, cache)
     disk.close()
     assert disk.budget == 1 << 30 and len(block_files(tmp_path)) == 2
+
+
+def test_a_chain_another_worker_wrote_is_not_evicted_while_it_is_read(tmp_path):
+    """Counted as it was read, the chain's own first block (the least recently used until the chain was
+    touched) made room for the rest: the blocks after it were out of reach, and the next request missed."""
+    tokens = list(range(4 * BLOCK_TOKENS))
+    cache = kv_cache(len(tokens))
+    block = block_bytes(tmp_path, cache)
+    reader = DiskCache(tmp_path / "kv", 3 * block, IDENTITY, LAYOUT)  # a replica, started before the other wrote
+    written(tmp_path / "kv", 1 << 30, tokens, cache)  # more than the reader's budget holds
+    assert reader.restore(tokens, 0)[1] == 4 * BLOCK_TOKENS
+    assert reader.restore(tokens, 0)[1] == 3 * BLOCK_TOKENS  # the chain lost its end, not its start
+
+
+def test_a_sound_block_is_read_whatever_the_budget(tmp_path):
+    """Its size was checked against the budget: a full disk's budget of 0 had every block read as damaged,
+    and removed."""
+    tokens = list(range(BLOCK_TOKENS))
+    written(tmp_path, 1 << 30, tokens, kv_cache(len(tokens)))
+    reader = DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT)
+    reader.budget = 0
+    assert reader.restore(tokens, 0)[1] == BLOCK_TOKENS
+
+
+def test_a_link_at_a_blocks_name_is_removed_as_a_damaged_block_is(tmp_path):
+    tokens = list(range(2 * BLOCK_TOKENS))
+    disk = written(tmp_path, 1 << 30, tokens, kv_cache(len(tokens)))
+    second = disk.directory / f"{chain_keys(IDENTITY, tokens)[1]}.kv"
+    second.rename(tmp_path / "elsewhere.kv")
+    second.symlink_to(tmp_path / "elsewhere.kv")
+    assert DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT).restore(tokens, 0)[1] == BLOCK_TOKENS
+    assert not second.is_symlink() and (tmp_path / "elsewhere.kv").exists()
+
+
+def test_an_mrope_models_own_blocks_come_back(tmp_path):
+    """Its cache after a token is mRoPE's RopeKVCache: taken for no layout at all, its blocks were written
+    and never read back."""
+    from worker.vision import RopeKVCache
+
+    tokens = list(range(BLOCK_TOKENS))
+    layout = layout_of([RopeKVCache.of(c) for c in kv_cache(1)])
+    assert layout == LAYOUT
+    disk = DiskCache(tmp_path, 1 << 30, IDENTITY, layout)
+    disk.save(tokens, kv_cache(len(tokens)))
+    disk.save(list(range(1000, 1000 + BLOCK_TOKENS)), kv_cache(BLOCK_TOKENS, layers=3))  # not its layout: not kept
+    disk.close()
+    assert len(block_files(tmp_path)) == 1
+    assert DiskCache(tmp_path, 1 << 30, IDENTITY, layout).restore(tokens, 0)[1] == BLOCK_TOKENS
