@@ -249,13 +249,18 @@ class ModelPool:
             with_it = batch_kv(footprint, charge.rows + rows) + charge.kv_other + other
             victims = self._room_for(m, charge.here(charge.fixed + with_it), idle_only=True)
             if victims is None:
-                alone = batch_kv(footprint, rows) + other
-                never = charge.here(alone + charge.fixed) > self.budget
+                alone = charge.here(batch_kv(footprint, rows) + other + charge.fixed)
+                pinned = [o for o in self.models.values() if o.pinned and o is not m and o.holds_memory]
+                # The pinned models' weights stay while their pins do, whatever ends: a retry would not fit either.
+                held = sum(o.charge.fixed_here for o in pinned)
+                never = alone + held > self.budget
+                why = ("; lower max_tokens (or n)" if alone > self.budget else
+                       f"; the pinned models ({', '.join(o.name for o in pinned)}) hold the rest" if never else
+                       "; retry when running requests have finished")
                 raise Unavailable(
                     f"the request's KV reservation ({format_size(with_it - before)}: its prompt plus max_tokens, "
                     "every sequence of the model's batch as long as its longest) does not fit in the memory budget "
-                    f"({format_size(self.budget)}, {format_size(self.used)} in use)"
-                    + ("; lower max_tokens" if never else "; retry when running requests have finished"),
+                    f"({format_size(self.budget)}, {format_size(self.used)} in use){why}",
                     "memory_budget_exceeded", never)
             charge.footprint = footprint
             charge.rows += rows

@@ -257,3 +257,27 @@ def test_one_worker_slow_to_stop_holds_up_no_other_models_keep_alive(tmp_path):
 def test_a_model_pinned_twice_is_one_pin(tmp_path):
     pool = pool_of(tmp_path, ["a", "b"], max_loaded=1, pinned=("a", "a"))
     assert pool.models["a"].pinned and not pool.models["b"].pinned
+
+
+def test_a_request_only_a_pinned_model_keeps_out_is_told_so_and_not_to_retry(tmp_path):
+    """It was a 503 saying to retry once running requests end, while nothing ran: a client retries for good."""
+    async def run() -> None:
+        pool = pool_of(tmp_path, ["p", "b"], pinned=("p",))
+        await run_deaf_worker(pool, "p")
+        await run_deaf_worker(pool, "b", deaf=False)
+        b = pool.models["b"]
+        b.users += 1  # the lease's hold, as ModelPool.lease takes it
+        lease = Lease(pool, b, None)
+        try:
+            with pytest.raises(Unavailable, match=r"the pinned models \(p\) hold the rest") as refused:
+                await lease.reserve(KVFootprint(), other=300)  # b's 400 + 300 fit the 900 without p's 400
+            assert refused.value.never
+            pool.models["p"].pinned = False  # unpinned, p is unloaded to make room instead
+            await lease.reserve(KVFootprint(), other=300)
+            assert not pool.models["p"].holds_memory
+        finally:
+            lease.release()
+            await pool.stop()
+            await pool.link.close()
+
+    asyncio.run(run())
