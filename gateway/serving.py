@@ -197,8 +197,8 @@ class Serving:
     def served_name(self, model: str, names: list[str]) -> str:
         """The served name a request for `model` reaches: `model` itself (an
         Ollama client's `NAME:latest` is NAME), or the name the first
-        --model-alias pattern it matches gives; 404 if that is not one of
-        `names`."""
+        --model-alias pattern it matches gives, or the one name it is in
+        another case (as Ollama finds names); 404 if there is none."""
         if model in names:
             return model
         if model.endswith(OLLAMA_DEFAULT_TAG) and model.removesuffix(OLLAMA_DEFAULT_TAG) in names:
@@ -209,6 +209,10 @@ class Serving:
                 if name in names:
                     return name
                 break
+        folded = model.casefold()
+        alike = [n for n in names if folded in (n.casefold(), n.casefold() + OLLAMA_DEFAULT_TAG)]
+        if len(alike) == 1:
+            return alike[0]
         raise APIError(
             404,
             f"The model '{model}' does not exist. "

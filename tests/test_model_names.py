@@ -42,6 +42,16 @@ def test_names_no_alias_matches_are_404(aliased):
         client.chat.completions.create(model="gpt-3.5-turbo", messages=USER, max_tokens=2)  # gpt-4?* only
 
 
+def test_a_name_in_another_case_reaches_its_model_as_in_ollama(aliased):
+    """Ollama finds names in any case, and its apps and users capitalize them: "TINY" was a 404."""
+    for name in (MODEL_NAME.upper(), MODEL_NAME.title() + ":Latest"):
+        answer = aliased.http.post("/api/chat", json={"model": name, "messages": USER, "stream": False,
+                                                      "options": {"num_predict": 2}})
+        assert answer.status_code == 200, answer.text
+    assert aliased.http.post("/v1/completions", json={"model": MODEL_NAME.upper(), "prompt": "Hi",
+                                                      "max_tokens": 2}).status_code == 200
+
+
 def test_models_lists_served_names_and_retrieves_aliases_too(aliased):
     client = openai.OpenAI(base_url=aliased.url + "/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
