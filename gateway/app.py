@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -33,7 +32,7 @@ from gateway.openai_responses import ResponsesAPI, ResponseStore
 from gateway.ops import LogTail, OpsAPI
 from gateway.pool import ModelPool, Unavailable
 from gateway.responses import MsgspecResponse
-from gateway.security import LOCAL_APP_ORIGINS, Guard, KeyRing, check_bind_policy
+from gateway.security import Cors, Guard, KeyRing, check_bind_policy
 from gateway.serving import Serving
 from gateway.settings import GatewaySettings, PoolSettings
 from gateway.supervisor import local_pids
@@ -242,10 +241,8 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
             Exception: internal_error_handler,
         },
         middleware=[
-            # Outermost first: CORS answers browser preflights before any key check. Any header: the
-            # SDKs in a browser send their own (anthropic-version, x-stainless-*), and keys guard the API.
-            Middleware(CORSMiddleware, allow_origins=settings.cors_origin, allow_origin_regex=LOCAL_APP_ORIGINS,
-                       allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"]),
+            # Outermost first: CORS answers browser preflights before any key check.
+            Middleware(Cors, settings=settings),
             Middleware(RequestCounter, metrics=serving.metrics),
             Middleware(Guard, settings=settings, keys=keys, keep_alive_s=pool.keep_alive_s),
             Middleware(Admitted, admission=serving.admission),

@@ -191,7 +191,7 @@ def chat_input(messages: list[Message], think: bool | str | None, param: str = "
             unanswered = list(calls)
         extra = {"name": m.tool_name} if m.tool_name else {}
         if role == "tool":
-            answered = next((c for c in unanswered if c["id"] == m.tool_call_id), None) if m.tool_call_id else \
+            answered = next((c for c in unanswered if c["id"] == m.tool_call_id), None) or \
                 next((c for c in unanswered if m.tool_name in (None, "", c["function"]["name"])), None)
             if answered is not None:
                 unanswered.remove(answered)

@@ -14,6 +14,7 @@ import socket
 import time
 from pathlib import Path
 
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -30,6 +31,25 @@ RESERVED_SUFFIXES = (".localhost", ".internal")
 # (as Ollama lets them in): desktop apps' pages (Electron's app:// and file://, Tauri's, VS Code's
 # webviews, whose name is random) and pages served on loopback. No web page elsewhere can take one.
 LOCAL_APP_ORIGINS = r"(app|file|tauri|vscode-webview|vscode-file)://[^/]*|https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
+
+
+class Cors:
+    """CORS: the origins --cors-origin names, everywhere; local apps' pages
+    (LOCAL_APP_ORIGINS), on the APIs alone: never the operator's /admin, nor
+    /metrics, /health or /ready."""
+
+    def __init__(self, app: ASGIApp, settings: GatewaySettings) -> None:
+        allowed: dict = dict(allow_origins=settings.cors_origin, allow_methods=["GET", "POST", "DELETE"],
+                             # Any header: the SDKs in a browser send their own (anthropic-version,
+                             # x-stainless-*), and keys guard the API.
+                             allow_headers=["*"])
+        self.everywhere = CORSMiddleware(app, **allowed)
+        self.apis = CORSMiddleware(app, allow_origin_regex=LOCAL_APP_ORIGINS, **allowed)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        api = path == "/" or path.startswith(("/v1/", "/api/"))  # / is Ollama's "is it running"
+        await (self.apis if api else self.everywhere)(scope, receive, send)
 
 
 def machine_names() -> set[str]:

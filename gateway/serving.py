@@ -532,8 +532,8 @@ async def fitted(messages: list[dict], images: list | None, context: int,
 
 
 def takes_tools(worker: WorkerState) -> bool:
-    """The model's template renders tools, or mlx-lm parses its calls."""
-    return worker.tool_format is not None or "tools" in worker.tokenizer.chat_template
+    """The model's template (or its `tool_use` one) renders tools, or mlx-lm parses its calls."""
+    return worker.tool_format is not None or "tools" in worker.tokenizer.every_template
 
 
 def forced_call_format(worker: WorkerState) -> str | None:

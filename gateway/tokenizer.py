@@ -197,6 +197,17 @@ class Tokenizer:
         return template if isinstance(template, str) else ""
 
     @property
+    def every_template(self) -> str:
+        """Every chat template the model has, named ones too (a `tool_use` one beside the default), as one
+        text: where the gateway looks for what they render."""
+        templates = self._tok.chat_template
+        if isinstance(templates, dict):
+            return "\n".join(str(t) for t in templates.values())
+        if isinstance(templates, list):
+            return "\n".join(str(t.get("template", "")) for t in templates if isinstance(t, dict))
+        return templates or ""
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(self._tok.chat_template)
 

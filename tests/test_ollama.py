@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import MODEL_NAME, Server, running, wait_for
 from tests.scripted_model import make_scripted_model
 from tests.test_embeddings import expected as expected_embedding
-from tests.tiny_model import make_tiny_model
+from tests.tiny_model import CHAT_TEMPLATE, make_tiny_model
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about the sea."}]
 GREEDY = {"temperature": 0, "num_predict": 12}
@@ -87,6 +87,20 @@ def test_generate_templates_the_prompt_or_takes_it_raw(client, reference):
     assert client.generate(model=MODEL_NAME, prompt=prompt, raw=True, options=GREEDY).response == raw.text
     streamed = client.generate(model=MODEL_NAME, prompt=prompt, raw=True, options=GREEDY, stream=True)
     assert "".join(p.response for p in streamed) == raw.text
+
+
+def test_a_model_whose_tool_use_template_is_a_named_one_takes_tools(tmp_path):
+    """Named templates (Hermes 2 Pro's, Command R's: a default and a tool_use one) read as no template when
+    the gateway looked for tools in it: "does not support tools", where the OpenAI API called them."""
+    tool_use = "{% if tools %}{{ 'Tools: ' + tools | map(attribute='function.name') | join(',') + '\\n' }}" \
+               "{% endif %}" + CHAT_TEMPLATE
+    model = make_tiny_model(tmp_path / "named", chat_template=[{"name": "default", "template": CHAT_TEMPLATE},
+                                                               {"name": "tool_use", "template": tool_use}])
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with running(["serve", "--model", str(model), "--served-model-name", "named"], tmp_path / "serve.log") as srv:
+        client = ollama.Client(host=srv.url)
+        answer = client.chat(model="named", messages=MESSAGES, tools=tools, options=GREEDY)
+        assert answer.done and "tools" in client.show("named").capabilities
 
 
 def test_generate_on_a_model_without_a_chat_template_takes_the_prompt_as_it_is(reference, tmp_path):

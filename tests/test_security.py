@@ -177,6 +177,13 @@ def test_cors_is_off_by_default_but_for_local_apps(server):
     for origin in ("http://localhost.evil.example", "null", "https://evil.example"):
         preflight = {"Origin": origin, "Access-Control-Request-Method": "POST"}
         assert "access-control-allow-origin" not in server.http.options("/api/chat", headers=preflight).headers
+    # The APIs only: never the operator's pages and numbers.
+    local = {"Origin": "http://localhost:3000"}
+    for path in ("/admin/state", "/admin", "/metrics", "/health"):
+        assert "access-control-allow-origin" not in server.http.get(path, headers=local).headers, path
+    preflight = {**local, "Access-Control-Request-Method": "POST"}
+    assert "access-control-allow-origin" not in server.http.options(f"/admin/models/{MODEL_NAME}/unload",
+                                                                    headers=preflight).headers
 
 
 def test_limits(tiny_model, tmp_path):

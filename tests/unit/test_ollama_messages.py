@@ -39,3 +39,7 @@ def test_the_ids_a_client_sends_back_pair_a_result_with_its_call():
     rendered = chat_input(messages, None).messages
     assert [c["id"] for c in rendered[1]["tool_calls"]] == ["call_p", "call_r"]
     assert [m["tool_call_id"] for m in rendered[2:4]] == ["call_r", "call_p"]
+    # An id that names no call (a client's own): paired by the tool's name and order, as without one.
+    messages[2:4] = [Message("tool", "sunny", tool_name="get_weather", tool_call_id="mine-1"),
+                     Message("tool", "rainy", tool_name="get_weather", tool_call_id="mine-2")]
+    assert [m["tool_call_id"] for m in chat_input(messages, None).messages[2:4]] == ["call_p", "call_r"]
