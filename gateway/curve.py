@@ -49,13 +49,17 @@ def secure_server(context: zmq.Context, socket: zmq.Socket, secret_key: str | No
             "a tcp:// worker endpoint must be encrypted: give the gateway --curve-secret-key FILE and "
             "--curve-authorized-keys DIR (make keys with `mlxd keys generate DIR --name NAME`)"
         )
-    public, secret = zmq.auth.load_certificate(secret_key)
+    try:  # all read before the authenticator's thread starts: a failure must leave none to keep mlxd up
+        public, secret = zmq.auth.load_certificate(secret_key)
+        allowlist = WorkerAllowlist(Path(authorized))
+    except (OSError, ValueError) as e:
+        raise CurveError(f"cannot read the CURVE keys: {e}") from None
     if secret is None:
         raise CurveError(f"{secret_key} holds no secret key (use the .key_secret file)")
     # A plain (not asyncio) context on the same ZeroMQ context, for the thread's sockets.
     authenticator = ThreadAuthenticator(zmq.Context.shadow(context.underlying))
     authenticator.start()
-    authenticator.configure_curve_callback("*", credentials_provider=WorkerAllowlist(Path(authorized)))
+    authenticator.configure_curve_callback("*", credentials_provider=allowlist)
     socket.curve_secretkey = secret
     socket.curve_publickey = public
     socket.curve_server = True

@@ -87,7 +87,7 @@ class GatewaySettings(LogSettings, kw_only=True):
                                       f"long prefill; 0: none, else at least {MIN_KEEPALIVE_S}")
     ] = 15.0
     max_tokens_limit: Annotated[
-        int | None, Meta(description="largest max_tokens a request may ask for (400 beyond)")
+        Annotated[int, Meta(ge=1)] | None, Meta(description="largest max_tokens a request may ask for (400 beyond)")
     ] = None
     max_inflight: Annotated[int, Meta(ge=1, description="requests in flight in total (503 beyond)")] = 256
     max_inflight_per_key: Annotated[

@@ -155,7 +155,7 @@ class Transport:
         except zmq.ZMQError as e:
             if e.errno == errno.EADDRINUSE:
                 raise EndpointInUse(f"{self.endpoint} is already in use") from None
-            raise
+            raise RuntimeError(f"cannot listen on --worker-endpoint {self.endpoint}: {e}") from None
 
     def send(self, identity: bytes, message: ToWorker, buffers: Sequence[Any] = ()) -> bool:
         """Send a message (and its tensors' buffers); False when the peer's

@@ -31,8 +31,12 @@ class LogSettings(msgspec.Struct, kw_only=True):
 
 
 def follow_log_file(path: str) -> None:
-    """Stdout and stderr into `path` (appended to), from now on and after each rotation."""
-    _point_at(path)
+    """Stdout and stderr into `path` (appended to), from now on and after each rotation;
+    SystemExit saying why when it cannot be opened (before anything goes to it)."""
+    try:
+        _point_at(path)
+    except OSError as e:
+        raise SystemExit(f"mlxd: --log-file {path}: {e.strerror}") from None
     threading.Thread(target=_follow, args=(path,), name="log-file", daemon=True).start()
 
 

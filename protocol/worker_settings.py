@@ -62,7 +62,7 @@ class WorkerSettings(LogSettings, kw_only=True):
         int, Meta(ge=16, description="prompt tokens per prefill step; bounds how long one step takes")
     ] = 2048
     context_length: Annotated[
-        int | None, Meta(description="cap on the model's context length in tokens")
+        Annotated[int, Meta(ge=2)] | None, Meta(description="cap on the model's context length in tokens")
     ] = None
     cpu_dequantize: Annotated[
         bool,

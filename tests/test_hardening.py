@@ -414,3 +414,27 @@ def test_logs_follow_their_file_when_log_rotation_moves_it(tiny_model, tmp_path)
     assert log.stat().st_mode & 0o777 == 0o600  # with --log-prompts, a log holds the prompts
     assert "worker ready" in (tmp_path / "mlxd.log.0").read_text() and "draining" not in (
         tmp_path / "mlxd.log.0").read_text()
+
+
+def test_settings_that_cannot_serve_stop_mlxd_with_one_line_saying_why(tmp_path):
+    """Each was a traceback (a bad key file, an endpoint ZeroMQ does not take, a log file's missing
+    directory), a server refusing every request (a negative context length or max_tokens limit), or a
+    gateway that never exited (a directory without public keys: the authenticator's thread kept it up)."""
+    keys = tmp_path / "keys"
+    assert subprocess.run([*MLXD, "keys", "generate", str(keys), "--name", "gw"], capture_output=True).returncode == 0
+    (tmp_path / "none").mkdir()
+    curve = ["--worker-endpoint", f"tcp://127.0.0.1:{free_port()}", "--curve-secret-key", str(keys / "gw.key_secret")]
+    cases = [
+        (["gateway", *curve, "--curve-authorized-keys", str(tmp_path / "none")], 1, "no public key files"),
+        (["gateway", *curve[:3], str(tmp_path / "no.key_secret"), "--curve-authorized-keys", str(keys)], 1,
+         "cannot read the CURVE keys"),
+        (["gateway", "--worker-endpoint", "bogus://x"], 1, "cannot listen on --worker-endpoint bogus://x"),
+        (["gateway", "--log-file", str(tmp_path / "missing" / "gateway.log")], 1, "--log-file"),
+        (["serve", "--context-length", "-1"], 2, "--context-length"),
+        (["serve", "--max-tokens-limit", "0"], 2, "--max-tokens-limit"),
+    ]
+    for args, code, words in cases:
+        result = subprocess.run([*MLXD, *args, "--port", str(free_port())], cwd=ROOT, capture_output=True,
+                                text=True, timeout=30)
+        assert result.returncode == code and "Traceback" not in result.stderr, (args, result.stderr)
+        assert words in result.stderr.strip().splitlines()[-1], (args, result.stderr)

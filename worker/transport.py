@@ -28,12 +28,18 @@ def connect(context: zmq.Context, settings: WorkerSettings, identity: str) -> zm
                 "a tcp:// gateway endpoint must be encrypted: give the worker --curve-secret-key FILE "
                 "(its own .key_secret) and --curve-server-key FILE (the gateway's .key)"
             )
-        public, secret = zmq.auth.load_certificate(settings.curve_secret_key)
-        server_public, _ = zmq.auth.load_certificate(settings.curve_server_key)
+        try:
+            public, secret = zmq.auth.load_certificate(settings.curve_secret_key)
+            server_public, _ = zmq.auth.load_certificate(settings.curve_server_key)
+        except (OSError, ValueError) as e:
+            raise TransportError(f"cannot read the CURVE keys: {e}") from None
         if secret is None:
             raise TransportError(f"{settings.curve_secret_key} holds no secret key (use the .key_secret file)")
         socket.curve_secretkey = secret
         socket.curve_publickey = public
         socket.curve_serverkey = server_public
-    socket.connect(settings.worker_endpoint)
+    try:
+        socket.connect(settings.worker_endpoint)
+    except zmq.ZMQError as e:
+        raise TransportError(f"cannot connect to --worker-endpoint {settings.worker_endpoint}: {e}") from None
     return socket
