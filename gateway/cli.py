@@ -135,7 +135,7 @@ def keys_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from gateway.curve import generate
 
-    if "/" in args.name or args.name.startswith("."):
+    if not args.name or "/" in args.name or args.name.startswith("."):
         parser.error(f"--name {args.name!r}: a name is one file name, without / or a leading dot")
     existing = [p for p in (args.directory / f"{args.name}.key", args.directory / f"{args.name}.key_secret")
                 if p.exists()]

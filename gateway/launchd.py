@@ -407,7 +407,7 @@ def main(argv: list[str]) -> int:
             status(layout, args.port)
         else:
             restart_worker(layout, args.model)
-    except (LaunchdError, ValueError, KeyError, PermissionError) as e:
+    except (LaunchdError, ValueError, KeyError, OSError) as e:  # OSError: an --output that is a file, say
         hint = " (--dry-run --output DIR writes the plists without it)" if args.command == "install" else ""
         print(f"mlxd launchd: error: {e}{hint if 'launchctl not found' in str(e) else ''}", file=sys.stderr)
         return 1

@@ -432,9 +432,11 @@ def test_settings_that_cannot_serve_stop_mlxd_with_one_line_saying_why(tmp_path)
         (["gateway", "--log-file", str(tmp_path / "missing" / "gateway.log")], 1, "--log-file"),
         (["serve", "--context-length", "-1"], 2, "--context-length"),
         (["serve", "--max-tokens-limit", "0"], 2, "--max-tokens-limit"),
+        (["keys", "generate", str(keys), "--name", ""], 2, "--name ''"),  # it wrote hidden .key files
+        (["launchd", "install", "--dry-run", "--output", str(keys / "gw.key")], 1, "File exists"),
     ]
     for args, code, words in cases:
-        result = subprocess.run([*MLXD, *args, "--port", str(free_port())], cwd=ROOT, capture_output=True,
-                                text=True, timeout=30)
+        port = ["--port", str(free_port())] if args[0] in ("gateway", "serve") else []
+        result = subprocess.run([*MLXD, *args, *port], cwd=ROOT, capture_output=True, text=True, timeout=30)
         assert result.returncode == code and "Traceback" not in result.stderr, (args, result.stderr)
         assert words in result.stderr.strip().splitlines()[-1], (args, result.stderr)
