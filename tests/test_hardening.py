@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -435,8 +436,11 @@ def test_settings_that_cannot_serve_stop_mlxd_with_one_line_saying_why(tmp_path)
         (["keys", "generate", str(keys), "--name", ""], 2, "--name ''"),  # it wrote hidden .key files
         (["launchd", "install", "--dry-run", "--output", str(keys / "gw.key")], 1, "File exists"),
     ]
-    for args, code, words in cases:
-        port = ["--port", str(free_port())] if args[0] in ("gateway", "serve") else []
-        result = subprocess.run([*MLXD, *args, *port], cwd=ROOT, capture_output=True, text=True, timeout=30)
-        assert result.returncode == code and "Traceback" not in result.stderr, (args, result.stderr)
-        assert words in result.stderr.strip().splitlines()[-1], (args, result.stderr)
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # a port in use: uvicorn took it after the workers
+        cases.append((["serve", "--model", str(tmp_path / "none"), "--port", str(taken.getsockname()[1])], 1,
+                      "cannot listen on 127.0.0.1"))
+        for args, code, words in cases:
+            port = ["--port", str(free_port())] if args[0] in ("gateway", "serve") and "--port" not in args else []
+            result = subprocess.run([*MLXD, *args, *port], cwd=ROOT, capture_output=True, text=True, timeout=30)
+            assert result.returncode == code and "Traceback" not in result.stderr, (args, result.stderr)
+            assert words in result.stderr.strip().splitlines()[-1], (args, result.stderr)
