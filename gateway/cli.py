@@ -173,5 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.launchd import main as launchd_main
 
         return launchd_main(rest)
-    print(USAGE.strip(), file=sys.stderr if command not in ("-h", "--help") else sys.stdout)
-    return 0 if command in ("-h", "--help") else 2
+    if command in ("-h", "--help"):
+        print(USAGE.strip())
+        return 0
+    print(USAGE.strip() + (f"\n\nmlxd: unknown command {command!r}" if command else ""), file=sys.stderr)
+    return 2

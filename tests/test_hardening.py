@@ -435,6 +435,7 @@ def test_settings_that_cannot_serve_stop_mlxd_with_one_line_saying_why(tmp_path)
         (["serve", "--max-tokens-limit", "0"], 2, "--max-tokens-limit"),
         (["keys", "generate", str(keys), "--name", ""], 2, "--name ''"),  # it wrote hidden .key files
         (["launchd", "install", "--dry-run", "--output", str(keys / "gw.key")], 1, "File exists"),
+        (["ls"], 2, "unknown command 'ls'"),  # the usage alone did not say what was wrong
     ]
     with socket.create_server(("127.0.0.1", 0)) as taken:  # a port in use: uvicorn took it after the workers
         cases.append((["serve", "--model", str(tmp_path / "none"), "--port", str(taken.getsockname()[1])], 1,

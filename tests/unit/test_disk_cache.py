@@ -447,3 +447,20 @@ def test_an_mrope_models_own_blocks_come_back(tmp_path):
     disk.close()
     assert len(block_files(tmp_path)) == 1
     assert DiskCache(tmp_path, 1 << 30, IDENTITY, layout).restore(tokens, 0)[1] == BLOCK_TOKENS
+
+
+def test_a_block_that_cannot_be_read_stays(tmp_path, monkeypatch):
+    """A disk that fails to answer (EIO) is a miss; the block, sound for all it says, is not removed."""
+    tokens = list(range(BLOCK_TOKENS))
+    disk = written(tmp_path, 1 << 30, tokens, kv_cache(len(tokens)))
+    block = disk.directory / f"{chain_keys(IDENTITY, tokens)[0]}.kv"
+    opening = os.open
+
+    def failing(path, *args, **kwargs):
+        if str(path).endswith(".kv"):
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return opening(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", failing)
+    assert DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT).restore(tokens, 0) == (None, 0)
+    assert block.exists()
