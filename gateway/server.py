@@ -57,6 +57,8 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+KEEP_ALIVE_S = 30  # how long an idle connection is kept for the client's next request
+
 # uvicorn's C parser takes a request line and headers of any length, copying
 # them as they grow, on the event loop; h11 stops at 16 KiB.
 MAX_HEADER_BYTES = 64 * 1024
@@ -173,6 +175,10 @@ def run_gateway(settings: GatewaySettings, worker_settings: Sequence[WorkerSetti
         http=request_deadlines(settings.body_timeout_s),
         # A backstop only: the drain itself ends every stream after drain_s.
         timeout_graceful_shutdown=int(settings.drain_s) + 3,
+        # Longer than clients keep an idle connection for reuse (httpx and the SDKs on it 5 s, Node's
+        # undici 4 s, aiohttp 15 s): at uvicorn's 5 s, a client reusing one as the server closed it got
+        # "connection reset" (a test's /health after a long stream did, in CI).
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     server = DrainingServer(config, app)
     app.state.fail = server.fail
