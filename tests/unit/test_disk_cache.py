@@ -39,19 +39,6 @@ def written(directory, budget: int, tokens: list[int], cache: list, identity: by
     return disk
 
 
-def failing(monkeypatch, call: str, suffix: str, code: int) -> None:
-    """os.<call> fails with `code` (EIO: a disk that fails to answer; ENOSPC: a full one) for the paths
-    ending in `suffix`, and works for the rest."""
-    real = getattr(os, call)
-
-    def fail(path, *args, **kwargs):
-        if str(path).endswith(suffix):
-            raise OSError(code, os.strerror(code), str(path))
-        return real(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, call, fail)
-
-
 def block_files(directory) -> list:
     return list(directory.rglob("*.kv"))
 
@@ -248,7 +235,14 @@ def test_a_disk_that_fails_to_answer_is_a_miss(tmp_path, monkeypatch):
     tokens = list(range(2 * BLOCK_TOKENS))
     written(tmp_path, 1 << 30, tokens, kv_cache(len(tokens)))
     disk = DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT)
-    failing(monkeypatch, "stat", ".kv", errno.EIO)
+    stat = os.stat
+
+    def failing(path, *args, **kwargs):
+        if str(path).endswith(".kv"):
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", failing)
     assert disk.restore(tokens, 0) == (None, 0)
 
 
@@ -387,11 +381,18 @@ def test_a_full_disk_lowers_the_budget_for_a_while(tmp_path, monkeypatch):
     tokens = list(range(2 * BLOCK_TOKENS))
     cache = kv_cache(len(tokens))
     disk = DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT)
-    failing(monkeypatch, "open", ".tmp", errno.ENOSPC)
+    opening = os.open
+
+    def full(path, *args, **kwargs):
+        if str(path).endswith(".tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return opening(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", full)
     disk.save(tokens[:BLOCK_TOKENS], cache)
     disk.close()
     assert disk.budget == 0
-    monkeypatch.undo()
+    monkeypatch.setattr(os, "open", opening)
     monkeypatch.setattr("worker.disk_cache.FULL_DISK_RETRY_S", 0.0)
     disk = DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT)
     disk._full_at, disk.budget = time.monotonic() - 1, 0  # as the full disk left it
@@ -453,6 +454,13 @@ def test_a_block_that_cannot_be_read_stays(tmp_path, monkeypatch):
     tokens = list(range(BLOCK_TOKENS))
     disk = written(tmp_path, 1 << 30, tokens, kv_cache(len(tokens)))
     block = disk.directory / f"{chain_keys(IDENTITY, tokens)[0]}.kv"
-    failing(monkeypatch, "open", ".kv", errno.EIO)
+    opening = os.open
+
+    def failing(path, *args, **kwargs):
+        if str(path).endswith(".kv"):
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return opening(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", failing)
     assert DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT).restore(tokens, 0) == (None, 0)
     assert block.exists()
