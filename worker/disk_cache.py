@@ -255,9 +255,9 @@ class DiskCache:
         `tokens` and is longer than `beyond` tokens, and its length; (None, 0)
         when none is. Nothing is read unless the chain is longer: the RAM
         tier usually holds as much, and a read is the main thread's time."""
-        keys = chain_keys(self.identity, tokens)
         if self.layout is None:
             return None, 0
+        keys = chain_keys(self.identity, tokens)
         if len(keys) * BLOCK_TOKENS <= beyond:  # RAM holds as much: the disk's copy is kept fresh, off this thread
             self._readers.submit(self._touch, keys)
             return None, 0

@@ -39,6 +39,19 @@ def written(directory, budget: int, tokens: list[int], cache: list, identity: by
     return disk
 
 
+def failing(monkeypatch, call: str, suffix: str, code: int) -> None:
+    """os.<call> fails with `code` (EIO: a disk that fails to answer; ENOSPC: a full one) for the paths
+    ending in `suffix`, and works for the rest."""
+    real = getattr(os, call)
+
+    def fail(path, *args, **kwargs):
+        if str(path).endswith(suffix):
+            raise OSError(code, os.strerror(code), str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, call, fail)
+
+
 def block_files(directory) -> list:
     return list(directory.rglob("*.kv"))
 
@@ -235,14 +248,7 @@ def test_a_disk_that_fails_to_answer_is_a_miss(tmp_path, monkeypatch):
     tokens = list(range(2 * BLOCK_TOKENS))
     written(tmp_path, 1 << 30, tokens, kv_cache(len(tokens)))
     disk = DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT)
-    stat = os.stat
-
-    def failing(path, *args, **kwargs):
-        if str(path).endswith(".kv"):
-            raise OSError(errno.EIO, "Input/output error", str(path))
-        return stat(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "stat", failing)
+    failing(monkeypatch, "stat", ".kv", errno.EIO)
     assert disk.restore(tokens, 0) == (None, 0)
 
 
@@ -381,18 +387,11 @@ def test_a_full_disk_lowers_the_budget_for_a_while(tmp_path, monkeypatch):
     tokens = list(range(2 * BLOCK_TOKENS))
     cache = kv_cache(len(tokens))
     disk = DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT)
-    opening = os.open
-
-    def full(path, *args, **kwargs):
-        if str(path).endswith(".tmp"):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return opening(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", full)
+    failing(monkeypatch, "open", ".tmp", errno.ENOSPC)
     disk.save(tokens[:BLOCK_TOKENS], cache)
     disk.close()
     assert disk.budget == 0
-    monkeypatch.setattr(os, "open", opening)
+    monkeypatch.undo()
     monkeypatch.setattr("worker.disk_cache.FULL_DISK_RETRY_S", 0.0)
     disk = DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT)
     disk._full_at, disk.budget = time.monotonic() - 1, 0  # as the full disk left it
@@ -454,13 +453,6 @@ def test_a_block_that_cannot_be_read_stays(tmp_path, monkeypatch):
     tokens = list(range(BLOCK_TOKENS))
     disk = written(tmp_path, 1 << 30, tokens, kv_cache(len(tokens)))
     block = disk.directory / f"{chain_keys(IDENTITY, tokens)[0]}.kv"
-    opening = os.open
-
-    def failing(path, *args, **kwargs):
-        if str(path).endswith(".kv"):
-            raise OSError(errno.EIO, "Input/output error", str(path))
-        return opening(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", failing)
+    failing(monkeypatch, "open", ".kv", errno.EIO)
     assert DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT).restore(tokens, 0) == (None, 0)
     assert block.exists()
