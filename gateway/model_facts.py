@@ -24,6 +24,7 @@ class ModelFacts:
     context_length: int | None = None
     modified: float | None = None  # its files' mtime
     chat_template: str = ""  # its default chat template, from its files ("" for a GGUF file, or none)
+    takes_tools: bool = False  # one of its chat templates (a named `tool_use` one too) renders tools
     vision: bool = False  # its config has a vision tower
 
     @property
@@ -48,7 +49,9 @@ def model_facts(source: str) -> ModelFacts:
     config = _json(path, "config.json")
     facts.family = str(config.get("model_type", ""))
     facts.vision = isinstance(config.get("vision_config"), dict)
-    facts.chat_template = _chat_template(path)
+    templates = _chat_templates(path)
+    facts.chat_template = templates.get("default", "")
+    facts.takes_tools = any("tools" in template for template in templates.values())
     text: dict = config["text_config"] if isinstance(config.get("text_config"), dict) else {}
     context = config.get("max_position_embeddings") or text.get("max_position_embeddings")
     facts.context_length = context if isinstance(context, int) else None
@@ -62,21 +65,22 @@ def model_facts(source: str) -> ModelFacts:
     return facts
 
 
-def _chat_template(directory: Path) -> str:
-    """The default chat template: tokenizer_config.json's (a text, or named
-    templates), else chat_template.jinja's, else chat_template.json's (vision
-    models' processors keep it there)."""
+def _chat_templates(directory: Path) -> dict[str, str]:
+    """Its chat templates by name ("default" for the one a model without
+    names has): tokenizer_config.json's (a text, or named templates), else
+    chat_template.jinja's, else chat_template.json's (vision models'
+    processors keep it there)."""
     template = _json(directory, "tokenizer_config.json").get("chat_template")
     if isinstance(template, list):
-        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
-                        None)
+        return {t["name"]: t["template"] for t in template
+                if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
     if isinstance(template, str):
-        return template
+        return {"default": template}
     try:
-        return (directory / "chat_template.jinja").read_text()
+        return {"default": (directory / "chat_template.jinja").read_text()}
     except (OSError, ValueError):  # none, or not UTF-8 (which the worker refuses at load, with its reason)
         template = _json(directory, "chat_template.json").get("chat_template")
-        return template if isinstance(template, str) else ""
+        return {"default": template} if isinstance(template, str) else {}
 
 
 def _json(directory: Path, name: str) -> dict:

@@ -432,7 +432,7 @@ class OllamaAPI:
             thinking, vision = reasons(template, worker.reasoning_markers), worker.hello.vision
         else:  # not loaded: what its files say (apps ask before any load, to offer it for tools or images)
             facts = self.serving.model_facts(name)
-            template, tools = facts.chat_template, False
+            template, tools = facts.chat_template, facts.takes_tools
             thinking, vision = reasons(template, detect_reasoning(template, set())), facts.vision
         capabilities = ["completion"] + [c for c, has in (("tools", tools or "tools" in template),
                                                           ("thinking", thinking), ("vision", vision)) if has]

@@ -101,6 +101,8 @@ def test_a_model_whose_tool_use_template_is_a_named_one_takes_tools(tmp_path):
         client = ollama.Client(host=srv.url)
         answer = client.chat(model="named", messages=MESSAGES, tools=tools, options=GREEDY)
         assert answer.done and "tools" in client.show("named").capabilities
+        assert client.generate(model="named", keep_alive=0).done_reason == "unload"
+        assert "tools" in client.show("named").capabilities  # from its files, not loaded
 
 
 def test_generate_on_a_model_without_a_chat_template_takes_the_prompt_as_it_is(reference, tmp_path):
