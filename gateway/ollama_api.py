@@ -123,19 +123,19 @@ def sampling(options: Options | None, logprobs: int | None) -> tuple[SamplingPar
     """The sampling, stop strings and token limit `options` ask for (the others it may hold are ignored);
     `logprobs`: how many of the likeliest tokens each token's log-probability comes with, if asked for."""
     o = options or Options()
-    for name in ("temperature", "min_p", "num_predict", "presence_penalty", "frequency_penalty"):
+    for name in ("temperature", "top_k", "min_p", "seed", "num_predict", "presence_penalty", "frequency_penalty"):
         value = getattr(o, name)
         if value is not None and not math.isfinite(value):  # "inf", a string the lax decoding takes
             raise APIError(400, f"options.{name} must be a finite number", param=f"options.{name}")
     # Clients that map OpenAI's fields onto these send a frequency_penalty of 0 as a repeat_penalty of 0.
     repeat_penalty = o.repeat_penalty if o.repeat_penalty is None or o.repeat_penalty > 0 else 1.0
     params = SamplingParams(temperature=o.temperature, top_p=None if o.top_p is None else min(o.top_p, 1.0),
-                            top_k=o.top_k, min_p=None if o.min_p is None else min(max(o.min_p, 0.0), 1.0),
+                            top_k=None if o.top_k is None else int(o.top_k), min_p=None if o.min_p is None else min(max(o.min_p, 0.0), 1.0),
                             repetition_penalty=repeat_penalty, presence_penalty=_penalty(o.presence_penalty),
                             frequency_penalty=_penalty(o.frequency_penalty),
                             # A negative seed is Ollama's (and llama.cpp's) "no seed": a new draw every time.
-                            seed=o.seed if o.seed is not None and o.seed >= 0 else None, logprobs=logprobs)
-    limit = None if o.num_predict is None else int(o.num_predict)  # Go cuts a float to an integer
+                            seed=int(o.seed) if o.seed is not None and o.seed >= 0 else None, logprobs=logprobs)
+    limit = None if o.num_predict is None else int(o.num_predict)  # Go cuts a float to an integer (here too)
     max_tokens = limit if limit is not None and limit > 0 else None
     return params, nonempty_stops(o.stop or [], "options.stop"), max_tokens
 

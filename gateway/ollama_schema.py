@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from gateway.openai_schema import MAX_EMBEDDING_INPUTS, MAX_TOP_LOGPROBS, Seed, StopString
+from gateway.openai_schema import MAX_EMBEDDING_INPUTS, MAX_TOP_LOGPROBS, StopString
 
 MAX_INT = 2**31 - 1
 KeepAlive = str | float | None
@@ -26,9 +26,9 @@ class Options(msgspec.Struct):
 
     temperature: Annotated[float, Meta(ge=0)] | None = None
     top_p: Annotated[float, Meta(ge=0)] | None = None  # above 1: 1 (off), as Ollama takes it
-    top_k: Annotated[int, Meta(le=MAX_INT)] | None = None  # 0 or less: off, as in llama.cpp
+    top_k: Annotated[float, Meta(le=MAX_INT)] | None = None  # 0 or less: off, as in llama.cpp
     min_p: float | None = None
-    seed: Seed | None = None
+    seed: Annotated[float, Meta(ge=-MAX_INT - 1, le=MAX_INT)] | None = None
     num_predict: float | None = None  # 0 or less: no limit (-2, Ollama's "fill the context", is the same here)
     # Editors' autocomplete (Continue) sends a stop string per keyword that starts a new statement.
     stop: Annotated[list[StopString], Meta(max_length=64)] | None = None

@@ -287,6 +287,8 @@ def test_a_pinned_model_outlasts_a_clients_unload(tiny_model, tmp_path):
     ("/api/show", {}, 400, "model is required"),
     ("/api/show", {"model": MODEL_NAME, "verbose": "very"}, 400, "verbose"),
     ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"temperature": "inf"}}, 400, "temperature"),
+    ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"top_k": "-inf"}}, 400, "top_k"),
+    ("/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "options": {"seed": "nan"}}, 400, "seed"),
     ("/api/embed", {"model": MODEL_NAME, "input": "x", "options": "fast"}, 400, "options"),
     ("/api/embeddings", {"model": MODEL_NAME, "prompt": "x", "options": []}, 400, "options"),
     # A tool in another API's flat shape, or nameless: a 500 from deep inside the grammar or the parser.
@@ -334,7 +336,7 @@ def test_values_ollama_takes_beyond_openais_ranges_are_taken(server, reference):
     string per keyword (more than OpenAI's limit); OpenAI's `developer` role is the system's."""
     expected = reference.greedy(reference.chat_prompt(MESSAGES), 5).text
     messages = [{**MESSAGES[0], "role": "developer"}, MESSAGES[1]]
-    options = {"temperature": 0, "num_predict": 5.7, "presence_penalty": 0, "min_p": 0,
+    options = {"temperature": 0, "num_predict": 5.7, "top_k": 40.5, "seed": 7.9, "presence_penalty": 0, "min_p": 0,
                "stop": [f"never seen {i}" for i in range(20)]}
     answer = server.http.post("/api/chat", json={"model": MODEL_NAME, "messages": messages, "stream": False,
                                                  "options": options})
