@@ -91,6 +91,18 @@ class Vitals:
             self._cpu_at_progress = cpu_s
         self.steps, self.running, self.waiting, self.cpu_s = steps, running, waiting, cpu_s
 
+    def excuse(self, before: float, away_s: float) -> None:
+        """The gateway itself stood still for about `away_s`, ending after
+        `before` (a frozen event loop, a stopped process): what it heard
+        before then is taken as heard that much later, since the worker's
+        beats meanwhile could not be read."""
+        if self.last_beat < before:
+            self.last_beat += away_s
+        if self.last_progress < before:
+            self.last_progress += away_s
+        if self._bad_since is not None and self._bad_since < before:
+            self._bad_since += away_s
+
     def busy(self) -> bool:
         """Whether it kept BUSY_CORES busy on average since its counter last moved, as of its
         last beat: an average over the whole stall, which beats bunched up by a late event loop

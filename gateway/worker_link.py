@@ -73,6 +73,8 @@ log = logging.getLogger("mlxd.gateway.link")
 # How many lost workers a request survives.
 MAX_WORKER_LOSSES = 1
 WATCHDOG_INTERVAL_S = 0.1
+# A watchdog tick this much later than due: the gateway stood still, not its workers.
+GATEWAY_STALL_S = 1.0
 # A replica that was sent a request's prefix takes it unless it runs this many
 # more requests than the least loaded one: a cached prefix saves one prefill,
 # while a longer queue slows every step of the request.
@@ -666,11 +668,18 @@ class WorkerLink:
             self.stats.requests_failed_by_loss += 1
 
     async def _watchdog(self) -> None:
+        ticked = time.monotonic()
         while True:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            now = time.monotonic()
+            if (away_s := now - ticked - WATCHDOG_INTERVAL_S) > GATEWAY_STALL_S:
+                # The gateway stood still (its loop, or its process): its workers' silence meanwhile is its own.
+                log.warning("the gateway's event loop stood still for %.1fs", away_s)
+                for w in self.workers.values():  # a beat read since it woke (just now) stands as it is
+                    w.vitals.excuse(now - away_s / 2, away_s)
+            ticked = now
             for w in list(self.workers.values()):
                 self._assess(w)
-            now = time.monotonic()
             for request_id, deadline in list(self._resume_by.items()):
                 if now > deadline:
                     del self._resume_by[request_id]

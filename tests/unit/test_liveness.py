@@ -139,3 +139,17 @@ def test_a_drain_broken_by_silences_is_still_given_up_on():
         if verdict.state == Liveness.DRAINING:
             assert not verdict.give_up
     assert verdict is not None and verdict.give_up and t < 2 * HUNG + 2 * TIMEOUT
+
+
+def test_the_gateways_own_stall_is_excused_and_what_came_after_it_is_not():
+    """A gateway that stood still from 1 to 20 could not read the beats meanwhile; a beat read after it counts
+    as it is, and a worker silent since the stall is unresponsive once the timeout has passed after it."""
+    v = vitals()
+    v.beat(1.0, steps=5, running=2)
+    v.excuse(before=10.0, away_s=19.0)
+    assert v.assess(20.0).state == Liveness.READY
+    assert v.assess(20.0 + TIMEOUT + 0.1).state == Liveness.UNRESPONSIVE
+    fresh = vitals()
+    fresh.beat(21.0, steps=6, running=2)  # read before the stall was noticed: not moved
+    fresh.excuse(before=10.0, away_s=19.0)
+    assert fresh.last_beat == 21.0 and fresh.assess(21.0 + TIMEOUT + 0.1).state == Liveness.UNRESPONSIVE
