@@ -50,6 +50,7 @@ RETRY_AFTER_S = 5
 # How long a model that could not load answers its requests with the reason
 # before a request tries to load it again (an admin load tries at once).
 FAILED_LOAD_HOLD_S = 30.0
+ASKED = "unloaded by an admin request"  # why a model unloads, in the log and the ops page's tail
 
 
 class Unavailable(Exception):
@@ -302,7 +303,7 @@ class ModelPool:
             if m.users > 0:
                 m.unload_requested = True
                 return False
-            stops = self._make_room([m] if m.holds_memory else [], "unloaded by an admin request")
+            stops = self._make_room([m] if m.holds_memory else [], ASKED)
         if stops:
             await asyncio.wait(stops)
         return True
@@ -544,7 +545,7 @@ class ModelPool:
             if not (m.users == 0 and m.running
                     and (m.unload_requested or not m.pinned and time.monotonic() >= m.idle_until)):
                 return
-            stops = self._make_room([m], "idle past its keep-alive")
+            stops = self._make_room([m], ASKED if m.unload_requested else "idle past its keep-alive")
         await asyncio.wait(stops)
 
     async def _reap(self) -> None:

@@ -77,7 +77,7 @@ def test_a_server_that_stops_answering_for_a_while_is_said_so_and_then_not(page,
     said nothing at all."""
     expect(model_row(page).locator(".state")).to_have_text("loaded", timeout=SEEN_S)
     page.route("**/admin/**", lambda route: route.abort())
-    expect(page.locator("#error")).to_have_text("the server does not answer", timeout=SEEN_S)
+    expect(page.locator("#error")).to_contain_text("the server does not answer", timeout=SEEN_S)
     page.evaluate("document.getElementById('error').textContent = ''")
     page.once("dialog", lambda dialog: dialog.accept())
     model_row(page).locator('button[data-action="pin"]').click()
@@ -85,6 +85,17 @@ def test_a_server_that_stops_answering_for_a_while_is_said_so_and_then_not(page,
     page.unroute("**/admin/**")
     expect(page.locator("#error")).to_have_text("", timeout=SEEN_S)
     assert served.health()["pool"]["models"][MODEL_NAME]["pinned"] is False
+
+
+def test_a_server_that_answers_nothing_is_said_so_with_the_age_of_the_figures(page, served):
+    """A hung gateway, or a connection the network dropped, fails no fetch: the page went on showing its
+    last figures as live, with no word."""
+    expect(model_row(page).locator(".state")).to_have_text("loaded", timeout=SEEN_S)
+    page.route("**/admin/state", lambda route: None)  # never answered
+    expect(page.locator("#error")).to_contain_text("the server does not answer · the figures below are from",
+                                                   timeout=SEEN_S)
+    page.unroute("**/admin/state")
+    expect(page.locator("#error")).to_have_text("", timeout=SEEN_S)
 
 
 def test_a_killed_worker_shows_as_lost_then_its_successor_as_ready(page, served):
@@ -169,6 +180,13 @@ def test_with_keys_the_page_shows_nothing_without_one(browser, tiny_model, tmp_p
         page.click("#key-form button")
         expect(page.locator("#error")).to_have_text("that key was not accepted", timeout=SEEN_S)
         expect(page.locator("#dashboard")).to_be_hidden()
+
+        # A header holds none of these: every poll failed as "the server does not answer", the form hidden.
+        for pasted in (KEY + "\u201d", KEY + "\u200b"):
+            page.fill("#key", pasted)
+            page.click("#key-form button")
+            expect(page.locator("#error")).to_contain_text("that one holds other characters", timeout=SEEN_S)
+            expect(page.locator("#key-form")).to_be_visible()
 
         page.fill("#key", KEY)
         page.click("#key-form button")

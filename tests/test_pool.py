@@ -274,6 +274,7 @@ def test_an_unload_asked_while_a_stream_runs_shows_until_the_stream_ends(lazy_po
     reader.body["model"] = "alpha"
     reader.start()
     reader.wait_for_pieces(5)
+    asked_before = lazy_pool.log_path.read_text().count("unloading alpha: unloaded by an admin request")
     asked = lazy_pool.http.post("/admin/models/alpha/unload")
     assert asked.status_code == 202 and asked.json()["status"] == "unloading"
     assert lazy_pool.health()["pool"]["models"]["alpha"]["unload_requested"] is True  # the ops page shows it
@@ -281,6 +282,8 @@ def test_an_unload_asked_while_a_stream_runs_shows_until_the_stream_ends(lazy_po
     assert reader.done and not reader.errors
     wait_for(lambda: statuses(lazy_pool)["alpha"] == "unloaded", 30, "alpha to unload once its stream ended")
     assert lazy_pool.health()["pool"]["models"]["alpha"]["unload_requested"] is False
+    # Not "idle past its keep-alive", in the log and the ops page's tail.
+    assert lazy_pool.log_path.read_text().count("unloading alpha: unloaded by an admin request") == asked_before + 1
 
 
 def test_keep_alive_zero_unloads_the_model_after_its_answer(lazy_pool, models):
