@@ -67,6 +67,7 @@ from protocol import (
     hello_version,
 )
 from protocol.codec import files_digest
+from protocol.worker_settings import split_model
 
 log = logging.getLogger("mlxd.gateway.link")
 
@@ -123,7 +124,7 @@ class WorkerEvent:
 
     at: float  # time.time()
     pid: int
-    model: str
+    model: str  # its served names
     event: str  # "ready", a liveness change ("unresponsive", "hung", "draining", "ready again"), "lost", "stopped", "load failed"
     detail: str = ""
 
@@ -310,8 +311,9 @@ class WorkerLink:
 
     # ---- the link itself ---------------------------------------------------
 
-    def _names_of(self, hello: Hello) -> list[str]:
-        return self.served_model_name or [hello.model]
+    def _names_of(self, model: str) -> list[str]:
+        """What clients ask for to reach a worker of `model` (its --model, as its Hello says)."""
+        return self.served_model_name or [model]
 
     def _running_by_worker(self) -> Counter[bytes | None]:
         """Our running requests (choices) on each worker: what balancing counts."""
@@ -392,7 +394,8 @@ class WorkerLink:
             return
         if isinstance(message, LoadFailed):
             log.error("worker pid %d cannot load its model %r: %s", message.pid, message.model, message.reason)
-            self._event(message.pid, message.model, "load failed", message.reason)
+            named = split_model(message.model)[0] or message.model  # its --model: NAME=SOURCE, or a SOURCE
+            self._event(message.pid, self._names_of(named), "load failed", message.reason)
             self.load_failure = self.load_failures[message.model] = message
             self.notify()
             return
@@ -473,7 +476,7 @@ class WorkerLink:
             log.exception("refused a worker (pid %d): its tokenizer files cannot be loaded", hello.pid)
             self._send(identity, Refused(f"the gateway cannot load this model's tokenizer: {e}"))
             return
-        names = self._names_of(hello)
+        names = self._names_of(hello.model)
         now = time.monotonic()
         try:
             state = WorkerState(
@@ -508,7 +511,7 @@ class WorkerLink:
             "worker ready: pid %d, epoch %d, model %s, context %d, capacity %d",
             hello.pid, hello.epoch, hello.model, hello.context_length, hello.capacity,
         )
-        self._event(hello.pid, hello.model, "ready", f"epoch {hello.epoch}")
+        self._event(hello.pid, names, "ready", f"epoch {hello.epoch}")
         self._resume_waiting()
 
     def _resume_waiting(self) -> None:
@@ -549,7 +552,7 @@ class WorkerLink:
         if verdict.changed:
             level = logging.WARNING if verdict.state in UNHEALTHY else logging.INFO
             log.log(level, "worker pid %d: %s -> %s", w.hello.pid, verdict.previous.value, verdict.state.value)
-            self._event(w.hello.pid, w.hello.model, verdict.state.value, f"was {verdict.previous.value}")
+            self._event(w.hello.pid, w.names, verdict.state.value, f"was {verdict.previous.value}")
         was_ready, w.ready = w.ready, verdict.state == Liveness.READY
         if w.ready != was_ready:
             self._update_ready()
@@ -619,7 +622,7 @@ class WorkerLink:
             self.stats.workers_lost += 1
         else:
             log.info("worker pid %d stopped: %s", w.hello.pid, why)
-        self._event(w.hello.pid, w.hello.model, "lost" if lost else "stopped", why)
+        self._event(w.hello.pid, w.names, "lost" if lost else "stopped", why)
         self._update_ready()
         self._fail_embeds(w, f"the worker was lost while embedding: {why}")
         states = [s for s in self.outputs if s.worker == w.identity]
@@ -659,8 +662,8 @@ class WorkerLink:
             if identity == w.identity and not answer.done():
                 answer.set_exception(WorkerUnavailable(why))
 
-    def _event(self, pid: int, model: str, event: str, detail: str) -> None:
-        self.events.append(WorkerEvent(time.time(), pid, model, event, detail))
+    def _event(self, pid: int, names: list[str], event: str, detail: str) -> None:
+        self.events.append(WorkerEvent(time.time(), pid, ", ".join(names), event, detail))
 
     def _fail_after_loss(self, request_id: str, why: str) -> None:
         """End a request that a lost worker left without a way on (a 503, counted)."""

@@ -103,6 +103,8 @@ def test_a_killed_worker_shows_as_lost_then_its_successor_as_ready(page, served)
     expect(worker_state(page, pid)).to_have_text("ready", timeout=SEEN_S)
     os.kill(pid, signal.SIGKILL)
     expect(worker_state(page, pid)).to_have_text("lost", timeout=SEEN_S)
+    # Its served name, as its model's row and its live row say it: it read as the model's path.
+    expect(page.locator(f'#workers tr[data-pid="{pid}"] td').nth(1)).to_have_text(MODEL_NAME)
     served.wait_ready()
     successor = served.health()["worker"]["pid"]
     assert successor != pid
