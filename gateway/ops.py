@@ -97,6 +97,11 @@ class History:
             ))
 
 
+# /admin/state holds the log's tail: kept in no cache (a browser's on disk, opened without keys), never
+# taken for anything but JSON.
+PRIVATE = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
+
+
 class OpsAPI:
     def __init__(self, serving: Serving, supervisors: list[WorkerSupervisor], log_tail: LogTail) -> None:
         self.serving = serving
@@ -131,4 +136,4 @@ class OpsAPI:
             "history": {"interval_s": SAMPLE_S, "samples": list(self.history.samples)},
             "events": list(link.events),
             "log": list(self.log_tail.lines),
-        })
+        }, headers=PRIVATE)

@@ -151,8 +151,10 @@ def test_pin_and_restart_from_the_page(page, served):
 
 def test_the_log_tail_holds_no_prompt(served):
     complete(served, prompt="a very distinctive prompt: zebra quartz")
-    state = served.http.get("/admin/state").json()
-    assert state["log"] and "zebra" not in str(state["log"])
+    answer = served.http.get("/admin/state")
+    assert answer.json()["log"] and "zebra" not in str(answer.json()["log"])
+    # Nor kept in a browser's cache, where /admin/state was opened without keys.
+    assert answer.headers["cache-control"] == "no-store" and answer.headers["x-content-type-options"] == "nosniff"
 
 
 def test_an_action_from_another_origin_is_refused(served):
