@@ -64,7 +64,8 @@ class GatewaySettings(LogSettings, kw_only=True):
     ] = []
     admin_key: Annotated[
         list[str],
-        Meta(description="a key for /admin/* (loading and unloading models); without one, API keys may use it",
+        Meta(description="a key for /admin/* (the ops page's state, loading, unloading and pinning models, "
+                         "restarting workers); without one, API keys may use it",
              extra={"env": "MLXD_ADMIN_KEYS"}),
     ] = []
     insecure_no_auth: Annotated[
