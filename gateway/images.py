@@ -36,6 +36,9 @@ MAX_ASPECT_RATIO = 200
 _DATA_URL = re.compile(r"data:[^,]*;base64,(?P<data>.*)", re.S)  # the media type is not trusted: decoding decides
 # Image URLs fetched at once; more wait their turn (within their timeout).
 FETCH_THREADS = 32
+# Images decoded at once, in threads of their own: a large one takes a core and hundreds of MB for a second
+# or more, and in the event loop's shared pool a few requests of them held up every long prompt's tokenizing.
+DECODE_THREADS = 2
 # In place of an image in a tool's result, whose image chat templates do not take.
 IMAGE_LEFT_OUT = "[an image, left out: this server passes no images in a tool's result to the model]"
 
@@ -65,6 +68,7 @@ class ImageLoader:
         # past its timeout (a name lookup has none), and in the event loop's
         # shared pool that held up every request's tokenizing and decoding.
         self._fetchers = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="mlxd-image-fetch")
+        self._decoders = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="mlxd-image-decode")
 
     async def load(self, sources: list[ImageSource]) -> list[Image.Image]:
         """The request's images, decoded; a 400 or 413 naming the first that
@@ -79,7 +83,10 @@ class ImageLoader:
         if total > s.max_request_image_bytes:
             raise APIError(413, f"the request's images hold {total} bytes; this server takes at most "
                                 f"{s.max_request_image_bytes} per request", code="image_too_large")
-        return await asyncio.to_thread(lambda: [self._decode(b, src.param) for b, src in zip(blobs, sources)])
+        # One image a job: a request whose client has left (its task cancelled) decodes no more of them.
+        loop = asyncio.get_running_loop()
+        return [await loop.run_in_executor(self._decoders, self._decode, blob, source.param)
+                for blob, source in zip(blobs, sources)]
 
     async def _bytes(self, source: ImageSource) -> bytes:
         if source.data is not None:

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -223,6 +224,35 @@ def test_image_hosts_that_never_answer_hold_up_no_other_request(vision_model, vi
         assert answered.status_code == 200, answered.text
         assert took < 5, f"a text request waited {took:.1f}s behind image fetches"
         assert all(f.result().status_code == 400 for f in slow)
+
+
+def _cpu_s(pid: int) -> float:
+    """The process's CPU time so far (user and system), from /proc."""
+    fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads the gateway's CPU time in /proc")
+def test_a_request_whose_client_left_decodes_no_more_of_its_images(vision_model, tmp_path):
+    """Eight large images (a second of a core each to decode here) went to one thread as one job, which
+    a client's leaving could not stop: the gateway decoded them all, for no one."""
+    if vision_model.name != FAMILIES[0]:
+        pytest.skip("decoding images is the gateway's: the same for every family")
+    png = io.BytesIO()
+    Image.new("RGBA", (5000, 5000), (10, 20, 30, 128)).save(png, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}] * 8 + [{"type": "text", "text": QUESTION}]
+    body = json.dumps({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": content}]})
+    with running(["serve", "--model", str(vision_model), "--served-model-name", MODEL], tmp_path / "serve.log") as srv:
+        with socket.create_connection(("127.0.0.1", srv.port)) as sock:  # the default limits: 8 images of 25M pixels
+            sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+                         f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+            time.sleep(1.0)  # its first image is being decoded
+        time.sleep(2.5)  # the image then under way is done
+        before = _cpu_s(srv.proc.pid)
+        time.sleep(2.0)
+        assert _cpu_s(srv.proc.pid) - before < 0.5, "the gateway went on decoding the images of a client that left"
+        assert srv.health()["worker"]["running"] == 0
 
 
 def test_a_request_still_fetching_its_image_when_the_drain_ends_is_refused(vision_model, image_host, tmp_path):
