@@ -40,6 +40,13 @@ for token in (placeholder, tokenizer._tok.convert_ids_to_tokens(image_id)):
         out.append("ok")
     except PromptError as e:
         out.append(str(e))
+for token in (placeholder, tokenizer._tok.convert_ids_to_tokens(image_id)):
+    try:  # written in a tool's definition, which this template renders
+        tool = {"type": "function", "function": {"name": "f", "description": f"draws {token}", "parameters": {}}}
+        tokenizer.chat_prompt([{"role": "user", "content": image}], tools=[tool], images=images[:1])
+        out.append("ok")
+    except PromptError as e:
+        out.append(str(e))
 print(json.dumps(out))
 """
 
@@ -50,11 +57,14 @@ def test_an_image_the_template_leaves_out_is_a_clear_error(tmp_path, family):
     # As Gemma 3's and Mistral's templates do: a system message keeps only its text.
     template = chat_template(IMAGE_TEXT[family]).replace(
         "{% if part['type'] == 'image' %}", "{% if part['type'] == 'image' and message['role'] != 'system' %}")
+    template = "{% for tool in tools or [] %}{{ tool['function']['description'] }}\n{% endfor %}" + template
     (path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
     run = subprocess.run([sys.executable, "-c", PROMPTS, str(path)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
-    both_asked, one_left_out, *tokens_in_text = json.loads(run.stdout)
+    both_asked, one_left_out, *tokens_in_text, in_tool, in_tool_too = json.loads(run.stdout)
     assert both_asked == "ok"
     assert "placed 1 of the request's 2 images" in one_left_out
     # Gemma 3's <image_soft_token> passed, and failed the request in the worker (a 500, or a 200 cut short).
     assert all("text holds the model's image token" in answer for answer in tokens_in_text), tokens_in_text
+    # Written in a tool's description, it passed too: the worker's 500 (Gemma 3's), or another image's place.
+    assert all("outside the images' places" in answer for answer in (in_tool, in_tool_too)), (in_tool, in_tool_too)
