@@ -33,7 +33,7 @@ FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "AVIF")
 # side up to their size (CLIP's, LLaVA's) would make a 100000x1 image of a few
 # hundred bytes an array of a hundred gigabytes. Qwen's processors refuse 200:1.
 MAX_ASPECT_RATIO = 200
-_DATA_URL = re.compile(r"data:[^,]*;base64,(?P<data>.*)", re.S)  # the media type is not trusted: decoding decides
+_DATA_URL = re.compile(r"data:[^,]*;base64,(?P<data>.*)", re.S | re.I)  # the media type is not trusted: decoding decides
 # Image URLs fetched at once; more wait their turn (within their timeout).
 FETCH_THREADS = 32
 # Images decoded at once, in threads of their own: a large one takes a core and hundreds of MB for a second
@@ -69,6 +69,8 @@ class ImageLoader:
         # shared pool that held up every request's tokenizing and decoding.
         self._fetchers = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="mlxd-image-fetch")
         self._decoders = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="mlxd-image-decode")
+        # Pillow refuses an image past twice its own limit as it opens it: never one within the server's.
+        Image.MAX_IMAGE_PIXELS = max(Image.MAX_IMAGE_PIXELS or 0, settings.max_image_pixels)
 
     async def load(self, sources: list[ImageSource]) -> list[Image.Image]:
         """The request's images, decoded; a 400 or 413 naming the first that
@@ -92,7 +94,7 @@ class ImageLoader:
         if source.data is not None:
             return self._base64(source.data, source.param)
         url = source.url or ""
-        if url.startswith("data:"):
+        if url[:5].lower() == "data:":  # a scheme's case means nothing (RFC 3986), as http's does below
             match = _DATA_URL.fullmatch(url)
             if match is None:
                 raise APIError(400, "a data: URL for an image must be base64 (data:image/png;base64,...)",

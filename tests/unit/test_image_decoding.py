@@ -1,11 +1,13 @@
 """Images as the processors get them: upright, 8-bit RGB, transparency on white."""
 
+import asyncio
 import base64
 import contextlib
 import io
 import struct
 import threading
 import time
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -13,7 +15,7 @@ import pytest
 from PIL import Image
 
 from gateway.errors import APIError
-from gateway.images import ImageLoader
+from gateway.images import ImageLoader, ImageSource
 from gateway.settings import GatewaySettings
 
 
@@ -102,3 +104,32 @@ def test_a_slow_image_download_ends_at_its_deadline():
     finally:
         server.shutdown()
     assert time.monotonic() - started < 2
+
+
+def test_a_data_url_in_capitals_is_one_too():
+    """A URL's scheme means the same in any case (RFC 3986): `DATA:` was refused as no inline image."""
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), "red").save(out, "PNG")
+    url = "DATA:image/png;BASE64," + base64.b64encode(out.getvalue()).decode()
+    assert asyncio.run(ImageLoader(GatewaySettings())._bytes(ImageSource("image", url=url))) == out.getvalue()
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """What opening a PNG reads (its signature, its header, the start of its pixels): a size, and no pixels."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)) + \
+        chunk(b"IDAT", b"")
+
+
+def test_the_pixel_limit_is_the_servers_not_pillows():
+    """Past twice its own limit (179M pixels) Pillow refused the image as it opened it, whatever the
+    server's --max-image-pixels, with a 413 naming that one as the limit passed."""
+    loader = ImageLoader(GatewaySettings(max_image_pixels=400_000_000))
+    with pytest.raises(APIError) as refused:
+        loader._decode(_png_header(20_000, 15_000), "image")  # 300M pixels, within the limit: no pixels to read
+    assert refused.value.status == 400 and "corrupt or truncated" in refused.value.message
+    with pytest.raises(APIError) as too_large:
+        loader._decode(_png_header(25_000, 20_000), "image")
+    assert too_large.value.status == 413 and "25000x20000 pixels" in too_large.value.message
