@@ -117,6 +117,12 @@ class WorkerSettings(LogSettings, kw_only=True):
         Meta(description="how the group splits the model: tensor (every layer across the ranks) or pipeline "
                          "(a run of layers per rank)"),
     ] = "tensor"
+    group_stall_s: Annotated[
+        float,
+        Meta(gt=0, description="in a distributed group, how long a rank waits at one of the ranks' exchanges "
+                               "between steps (which take them milliseconds) before it takes another rank as gone "
+                               "and exits, for its service to start it again: MLX's ring backend may wait for good"),
+    ] = 30.0
 
 
 def group_hosts(settings: WorkerSettings) -> int:

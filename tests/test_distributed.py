@@ -327,16 +327,20 @@ def test_a_drain_stops_every_rank(tiny_model, tmp_path, stop):
         gateway.stop()
 
 
-@pytest.mark.parametrize("differing", ["tokenizer files", "engine flags"])
+@pytest.mark.parametrize("differing", ["tokenizer files", "engine flags", "weights"])
 def test_ranks_that_would_run_other_steps_do_not_start(tiny_model, tmp_path, differing):
     """Two ranks started by hand, as each Mac's own launchd job starts one,
     alike but for one thing: the second's copy of the model has a
     generation_config.json that adds an end-of-sequence id (a request that
     drew it would have ended on that rank alone), or the second batches fewer
     requests. Either way the ranks' batches would part ways: both refuse to
-    start, and say in what they differ."""
+    start, and say in what they differ. So for a model of another shape at
+    the same path, whose first sharded run (before the ranks compared their
+    setups) crashed both ranks instead."""
     other, flags = tiny_model, ()
-    if differing == "tokenizer files":
+    if differing == "weights":
+        other = make_tiny_model(tmp_path / "wider", hidden=128)
+    elif differing == "tokenizer files":
         other = tmp_path / "other"
         shutil.copytree(tiny_model, other)
         eos = json.loads((tiny_model / "config.json").read_text())["eos_token_id"]
@@ -356,7 +360,34 @@ def test_ranks_that_would_run_other_steps_do_not_start(tiny_model, tmp_path, dif
             output = rank.communicate(timeout=120)[0]
             assert rank.returncode == EXIT_LOAD_FAILED, output
             assert f"differ in their {differing}" in output, output
-            assert "weights (" not in output  # the weights are the same
+            assert differing == "weights" or "weights (" not in output  # the weights are the same
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+
+
+@pytest.mark.parametrize("dies", [1, 0])
+def test_ranks_started_by_hand_exit_when_another_dies_while_idle(tiny_model, tmp_path, dies):
+    """Each Mac's launchd job starts a rank: a rank killed while the group was idle left rank 0 waiting in
+    MLX's collective for good (alive and "ready", so never started again, nor the group formed anew), and
+    rank 1 ended on a traceback of garbled bytes."""
+    hostfile = tmp_path / "hosts.json"
+    first = free_ports(2)
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{first}"], [f"127.0.0.1:{first + 1}"]]))
+    logs = [tmp_path / f"rank{rank}.log" for rank in (0, 1)]
+    ranks = [subprocess.Popen([*MLXD, "worker", "--model", str(tiny_model), "--worker-endpoint",
+                               f"ipc://{tmp_path}/w.sock", "--distributed-hosts", "127.0.0.1,127.0.0.1",
+                               "--group-stall-s", "2"],
+                              cwd=ROOT, env={**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)},
+                              stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+             for rank, log in enumerate(logs)]
+    try:
+        wait_for(lambda: all("serving: it exits" in log.read_text() for log in logs), 120, "the group to form")
+        ranks[dies].kill()
+        survivor = ranks[1 - dies]
+        assert survivor.wait(timeout=30) == 1
+        assert "is gone" in logs[1 - dies].read_text()
     finally:
         for rank in ranks:
             rank.kill()

@@ -56,9 +56,14 @@ def serve_main(argv: list[str]) -> int:
         from worker.group import run_group
 
         return run_group(settings)
+    from worker.collective import GroupLost
     from worker.start import serve
 
-    return serve(settings, audit=os.environ.get("MLXD_AFFINITY_AUDIT", "") not in ("", "0"))
+    try:
+        return serve(settings, audit=os.environ.get("MLXD_AFFINITY_AUDIT", "") not in ("", "0"))
+    except GroupLost as e:  # a crash for its service to start it again, with its reason rather than a traceback
+        logging.getLogger("mlxd.worker").error("%s; exiting", e)
+        return 1
 
 
 def import_gguf_main(argv: list[str]) -> int:

@@ -10,9 +10,13 @@ batch. Main thread only, on every rank.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import threading
+import time
 import zlib
+from typing import TypeVar
 
 import mlx.core as mx
 import msgspec
@@ -22,6 +26,8 @@ from mlx_lm.generate import generation_stream
 from protocol import Abort, AddRequest, KVFootprint, Rank, RequestOutput
 from worker.embed import EmbedPiece
 
+log = logging.getLogger("mlxd.worker.group")
+
 # The first collective of a broadcast carries this many bytes: a step's usual
 # input (nothing, or an abort) fits, and only a new prompt needs a second one.
 HEADER_BYTES = 256
@@ -30,6 +36,10 @@ LENGTH_BYTES = 4
 # message and the others sleep as long: MLX's collectives spin while they
 # wait, so an idle group would otherwise burn a core per rank.
 IDLE_SLOT_S = 0.025
+
+
+class GroupLost(RuntimeError):
+    """Another rank of the group is gone: MLX failed an exchange, or handed back garbage."""
 
 
 class GroupStep(msgspec.Struct, kw_only=True):
@@ -49,21 +59,28 @@ def tokens_checksum(outputs: list[RequestOutput]) -> int:
     return zlib.crc32(_step_encoder.encode([(o.request_id, o.token_ids, o.finish_reason) for o in outputs]))
 
 
-class RankState(msgspec.Struct, frozen=True):
-    """One rank's facts, gathered once after loading."""
+class RankSetup(msgspec.Struct, frozen=True):
+    """One rank's setup, gathered as soon as its model is loaded: before
+    anything runs the sharded model, whose collectives ranks of other shapes
+    would not meet."""
 
     rank: Rank
-    weights_bytes: int
-    kv_footprint: KVFootprint
     # Each rank loads the model from its own host's files and runs it with its own install and
     # flags: digests of what must be alike, by part (worker.start.rank_setup).
     setup: dict[str, str]
+
+
+class RankState(msgspec.Struct, frozen=True):
+    """One rank's facts, gathered once the ranks are known to be alike."""
+
+    weights_bytes: int
+    kv_footprint: KVFootprint
     prefix_cache_bytes: int  # --prefix-cache-bytes: rank 0's sizes every rank's (prefix_cache_budget)
 
 
 _step_encoder = msgspec.msgpack.Encoder()
 _step_decoder = msgspec.msgpack.Decoder(GroupStep)
-_state_decoder = msgspec.msgpack.Decoder(RankState)
+T = TypeVar("T", RankSetup, RankState)
 
 
 class RankChannel:
@@ -73,13 +90,42 @@ class RankChannel:
         self.group = group
         self.rank = group.rank()
         self.size = group.size()
+        self._exchanging_since: float | None = None  # set while this rank waits at an exchange
+
+    def watch(self, stall_s: float) -> None:
+        """End this process once an exchange has waited `stall_s` for the
+        other ranks: one of them is gone. From the first exchange after the
+        model is loaded on (ranks load at their own pace); a thread of its
+        own, which never calls MLX. When a rank dies, MLX's ring backend
+        leaves some of the others waiting in a collective for good, alive,
+        so that their service never starts them again and the group never
+        forms anew."""
+        threading.Thread(target=self._watch, args=(stall_s,), name="mlxd-group-watch", daemon=True).start()
+        log.info("rank %d of %d serving: it exits should another rank keep it waiting %gs", self.rank, self.size,
+                 stall_s)
+
+    def _watch(self, stall_s: float) -> None:
+        while True:
+            time.sleep(min(1.0, stall_s / 4))
+            since = self._exchanging_since
+            if since is not None and (waited := time.monotonic() - since) > stall_s:
+                log.error("rank %d waited %.0fs for the other ranks of its group (--group-stall-s): one is gone; "
+                          "exiting", self.rank, waited)
+                logging.shutdown()
+                os._exit(1)
 
     def _all_sum(self, data: np.ndarray) -> np.ndarray:
         # A rank's collectives must reach the wire in the same order on every
         # rank: the model's run on mlx-lm's generation stream, which may still
         # be computing the step it started asynchronously. Wait for it first.
         mx.synchronize(generation_stream)
-        return np.array(mx.distributed.all_sum(mx.array(data), group=self.group, stream=mx.cpu))
+        self._exchanging_since = time.monotonic()
+        try:
+            return np.array(mx.distributed.all_sum(mx.array(data), group=self.group, stream=mx.cpu))
+        except RuntimeError as e:  # "[ring] connection to a peer was lost"
+            raise GroupLost(f"rank {self.rank}: the group's exchange failed ({e}): another rank is gone") from None
+        finally:
+            self._exchanging_since = None
 
     def broadcast(self, data: bytes = b"") -> bytes:
         """Rank 0's `data` on every rank (the others pass nothing): a sum in
@@ -98,7 +144,11 @@ class RankChannel:
 
     def share(self, step: GroupStep | None = None) -> GroupStep:
         """Rank 0 passes the step its engine is about to apply; every rank gets it."""
-        return _step_decoder.decode(self.broadcast(_step_encoder.encode(step) if step is not None else b""))
+        shared = self.broadcast(_step_encoder.encode(step) if step is not None else b"")
+        try:
+            return _step_decoder.decode(shared)
+        except msgspec.DecodeError:  # what MLX's ring hands back once a rank is gone
+            raise GroupLost(f"rank {self.rank}: the group's step came garbled: another rank is gone") from None
 
     def common_prefix(self, reused: int, trimmable: bool) -> int:
         """The prompt prefix every rank reuses for a new request, from the
@@ -111,22 +161,26 @@ class RankChannel:
         shortest = int(found[:, 0].min())
         return shortest if all(cut for length, cut in found if length > shortest) else 0
 
-    def gather(self, state: RankState) -> list[RankState]:
-        """Every rank's state, in rank order, on every rank."""
+    def gather(self, state: T) -> list[T]:
+        """Every rank's `state` (a RankSetup or a RankState), in rank order, on every rank."""
         data = _step_encoder.encode(state)
         lengths = self._all_sum(np.eye(self.size, dtype=np.int64)[self.rank] * len(data))
-        width = int(lengths.max())
-        mine = np.zeros((self.size, width), np.uint8)
+        if lengths.min() < 0 or lengths.max() > 1 << 24:
+            raise GroupLost(f"rank {self.rank}: the ranks' setups came garbled: another rank is gone")
+        mine = np.zeros((self.size, int(lengths.max())), np.uint8)
         mine[self.rank, :len(data)] = np.frombuffer(data, np.uint8)
         rows = self._all_sum(mine)
-        return [_state_decoder.decode(rows[r, :lengths[r]].tobytes()) for r in range(self.size)]
+        try:
+            return [msgspec.msgpack.decode(rows[r, :lengths[r]].tobytes(), type=type(state)) for r in range(self.size)]
+        except msgspec.DecodeError:
+            raise GroupLost(f"rank {self.rank}: the ranks' setups came garbled: another rank is gone") from None
 
 
 def this_rank(rank: int) -> Rank:
     return Rank(rank=rank, host=socket.gethostname(), pid=os.getpid())
 
 
-def group_differences(states: list[RankState]) -> str:
+def group_differences(states: list[RankSetup]) -> str:
     """The parts of their setup in which the ranks differ, with each host's
     digest of each; empty if none."""
     differing = []

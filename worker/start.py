@@ -28,6 +28,7 @@ from protocol.worker_settings import WorkerSettings, model_source, split_model
 from worker.audit import AffinityAudit
 from worker.collective import (
     RankChannel,
+    RankSetup,
     RankState,
     group_differences,
     prefix_cache_budget,
@@ -111,6 +112,13 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         log.exception("loading the model failed")
         return load_failed(settings, f"{type(e).__name__}: {e}")
     log.info("loaded %s from %s in %.1fs", loaded.name, loaded.path, time.monotonic() - started)
+    ranks = []
+    if channel is not None:
+        setups = channel.gather(RankSetup(this_rank(channel.rank), rank_setup(loaded, settings)))
+        if differing := group_differences(setups):  # every rank sees it, and every rank stops
+            return load_failed(settings, f"the ranks of {settings.model} differ in their {differing}: give every "
+                                         "host the same snapshot of the model, the same install and the same flags")
+        ranks = [s.rank for s in setups]
     weights = weights_bytes(loaded.model)
     set_limits(settings.memory_limit_bytes, weights)
     vision = None
@@ -123,14 +131,8 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
     text_model = vision.language_model if vision else loaded.model
     probed = probe_cache(text_model)
     footprint = kv_footprint(probed)
-    ranks = []
     if channel is not None:
-        states = channel.gather(RankState(this_rank(channel.rank), weights, footprint, rank_setup(loaded, settings),
-                                          prefix_cache_bytes))
-        if differing := group_differences(states):  # every rank sees it, and every rank stops
-            return load_failed(settings, f"the ranks of {settings.model} differ in their {differing}: give every "
-                                         "host the same snapshot of the model, the same install and the same flags")
-        ranks = [s.rank for s in states]
+        states = channel.gather(RankState(weights, footprint, prefix_cache_bytes))
         weights, footprint = sum(s.weights_bytes for s in states), summed_footprint(states)
         prefix_cache_bytes = prefix_cache_budget(states, channel.rank, loaded.context_length)
     disk = None
@@ -154,6 +156,8 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         vision=vision,
     )
     embedder = embedder_for(loaded.model, loaded.path) if not vision else None
+    if channel is not None:
+        channel.watch(settings.group_stall_s)
     if channel is not None and channel.rank > 0:
         # A terminal's Ctrl-C reaches every process of its group: rank 0
         # drains, and tells this rank when to exit.
