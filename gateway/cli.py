@@ -29,14 +29,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-import msgspec
-
 from gateway.settings import GatewaySettings, PoolSettings, check_model_names
 from protocol import PROTOCOL_VERSION
 from protocol.log_file import LogSettings, follow_log_file
 from protocol.packages import MLX_PACKAGES, installed_version
 from protocol.settings import add_arguments, parse_settings, resolve
-from protocol.worker_settings import WorkerSettings, announced_name, worker_command
+from protocol.worker_settings import WorkerSettings, announced_name, model_workers, worker_command
 
 USAGE = __doc__
 
@@ -103,7 +101,7 @@ def serve_main(argv: list[str]) -> int:
         gateway_settings = resolve(GatewaySettings, args)
         pool_settings = resolve(PoolSettings, args)
         base = resolve(WorkerSettings, args, environ={k: v for k, v in os.environ.items() if k != "MLXD_MODEL"})
-        worker_settings = [msgspec.structs.replace(base, model=model) for model in models]
+        worker_settings = model_workers(base, models)
         names = [announced_name(ws) for ws in worker_settings]
         if len(names) != len(set(names)):
             raise ValueError(f"--model: two models have one name ({', '.join(names)}); name them as NAME=SOURCE")

@@ -39,7 +39,7 @@ import msgspec
 from gateway.security import KeyRing, keys_required
 from gateway.settings import GatewaySettings, check_model_names
 from protocol.settings import add_arguments, resolve, to_environment
-from protocol.worker_settings import WorkerSettings, announced_name, split_model
+from protocol.worker_settings import WorkerSettings, announced_name, model_workers, split_model
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 PREFIX = "com.mlxd."
@@ -164,8 +164,7 @@ def worker_jobs(worker: WorkerSettings, models: list[str]) -> dict[str, WorkerSe
     """The worker jobs: "worker" for one model, "worker.NAME" for each of several (named NAME=SOURCE)."""
     if len(models) <= 1:
         return {"worker": msgspec.structs.replace(worker, model=models[0]) if models else worker}
-    jobs = {worker_job(announced_name(msgspec.structs.replace(worker, model=m))):
-            msgspec.structs.replace(worker, model=m) for m in models}
+    jobs = {worker_job(announced_name(settings)): settings for settings in model_workers(worker, models)}
     if len(jobs) != len(models):
         raise LaunchdError(f"--model: two models would have one worker job ({', '.join(models)}: their names are "
                            "one, or differ only in characters a job's name cannot hold); name each as NAME=SOURCE")

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
+import msgspec
 from msgspec import Meta
 
 from protocol.endpoints import default_worker_endpoint
@@ -137,6 +138,19 @@ def group_hosts(settings: WorkerSettings) -> int:
         except (OSError, ValueError, TypeError):
             return 1  # the worker says what is wrong with it when it starts
     return max(1, len([host for host in spec.split(",") if host.strip()]))
+
+
+def model_workers(base: WorkerSettings, models: list[str]) -> list[WorkerSettings]:
+    """A worker's settings for each model; with --distributed-hosts, each
+    model's group on ports of its own, the next model's after the one
+    before's: two groups listening on one port join each other's ranks."""
+    hosts = group_hosts(base) if base.distributed_hosts else 0
+    workers = [msgspec.structs.replace(base, model=model, distributed_port=base.distributed_port + i * hosts)
+               for i, model in enumerate(models)]
+    if workers[-1].distributed_port + hosts - 1 > 65535:
+        raise ValueError(f"--distributed-port: {len(models)} groups of {hosts} ranks need ports "
+                         f"{base.distributed_port}-{workers[-1].distributed_port + hosts - 1}, past 65535")
+    return workers
 
 
 def split_model(value: str) -> tuple[str, str]:

@@ -1,10 +1,11 @@
 import argparse
 
+import msgspec
 import pytest
 
 from gateway.settings import GatewaySettings
 from protocol.settings import add_arguments, explicit_values, resolve, to_arguments, to_environment
-from protocol.worker_settings import DEFAULT_MODEL_NAME, WorkerSettings, announced_name
+from protocol.worker_settings import DEFAULT_MODEL_NAME, WorkerSettings, announced_name, model_workers
 
 
 def parsed(settings_type, argv: list[str], environ: dict[str, str] | None = None):
@@ -53,3 +54,13 @@ def test_settings_at_their_defaults_are_not_written_out():
 def test_the_announced_name():
     assert announced_name(WorkerSettings()) == DEFAULT_MODEL_NAME
     assert announced_name(WorkerSettings(model="org/model")) == "org/model"
+
+
+def test_each_models_group_listens_on_ports_of_its_own():
+    """Two models' groups on one --distributed-port joined each other's ranks, as they happened to start."""
+    base = WorkerSettings(distributed_hosts="127.0.0.1,127.0.0.1", distributed_port=40000)
+    assert [(w.model, w.distributed_port) for w in model_workers(base, ["a=/m/a", "b=/m/b", "c=/m/c"])] == [
+        ("a=/m/a", 40000), ("b=/m/b", 40002), ("c=/m/c", 40004)]
+    assert [w.distributed_port for w in model_workers(WorkerSettings(), ["a=/m/a", "b=/m/b"])] == [32323, 32323]
+    with pytest.raises(ValueError, match="past 65535"):
+        model_workers(msgspec.structs.replace(base, distributed_port=65534), ["a=/m/a", "b=/m/b"])
