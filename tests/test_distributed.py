@@ -422,6 +422,18 @@ def test_a_rank_that_cannot_join_the_group_gives_its_reason(tiny_model):
     assert "restarting" not in done.stderr
 
 
+def test_a_host_ssh_cannot_reach_stops_mlxd_serve_with_ssh_s_reason(tiny_model):
+    """The commonest mistake (no passwordless ssh, a host that is off): ssh's own words were hidden (its
+    LogLevel QUIET), the log said only "exited with status 255", and `mlxd serve --preload` retried for good."""
+    done = subprocess.run([*MLXD, "serve", "--preload", "--model", str(tiny_model), "--port", str(free_port()),
+                           "--distributed-hosts", "127.0.0.1,127.0.0.2", "--distributed-port", str(free_ports(2))],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "rank 1 (127.0.0.2) could not be started over ssh" in done.stderr, done.stderr
+    assert "127.0.0.2" in done.stderr.partition("over ssh")[2]  # ssh's words, naming the host it could not reach
+    assert "restarting" not in done.stderr
+
+
 def test_jaccl_without_rdma_devices_is_refused():
     done = subprocess.run([*MLXD, "worker", "--distributed-hosts", "10.0.0.1,10.0.0.2",
                            "--distributed-backend", "jaccl"], cwd=ROOT, capture_output=True, text=True, timeout=60)

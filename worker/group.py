@@ -13,6 +13,7 @@ goes to rank 0 alone, which drains and then tells the others to exit.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -83,6 +84,8 @@ class RankProcess:
     process: subprocess.Popen
     relay: threading.Thread | None = None  # its output to ours
     load_failure: str | None = None  # the reason it logged for not loading the model
+    reached: bool = False  # its launcher script ran (over ssh, on its host)
+    last_line: str = ""  # of its output: ssh's reason, where ssh could not reach the host
 
     def kill(self) -> None:
         """Gone at once; a rank on another host dies with its ssh session."""
@@ -114,7 +117,8 @@ def start_rank(rank: int, host: Host, settings: WorkerSettings, files: dict[str,
         # A terminal's Ctrl-C reaches this process group: ssh ignores it (an ignored
         # SIGINT survives exec, and ssh keeps it so), for the group to drain rather than
         # lose its remote ranks to a hang-up; a vanished host is noticed within 15 s.
-        script = (f"trap '' INT; exec ssh -tt -o LogLevel=QUIET -o BatchMode=yes -o ServerAliveInterval=5 "
+        # ssh's errors (no route, a refused key) are the operator's only clue; its warnings are noise.
+        script = (f"trap '' INT; exec ssh -tt -o LogLevel=ERROR -o BatchMode=yes -o ServerAliveInterval=5 "
                   f"-o ServerAliveCountMax=3 {shlex.quote(host.ssh_hostname)} {shlex.quote(script)}")
     process = subprocess.Popen(script, shell=True, executable="/bin/bash", stdin=subprocess.DEVNULL,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -127,15 +131,18 @@ def start_rank(rank: int, host: Host, settings: WorkerSettings, files: dict[str,
 def _relay(rank: RankProcess) -> None:
     """A rank's output (its log) to our standard error, less the launcher
     script's first line (the path of its pid file); the reason it gives for
-    not loading the model is kept."""
+    not loading the model is kept, and ssh's where it never ran."""
     assert rank.process.stdout is not None
-    rank.process.stdout.readline()
-    for line in rank.process.stdout:
+    first = rank.process.stdout.readline()
+    rank.reached = first.startswith(b"/")
+    for line in rank.process.stdout if rank.reached else itertools.chain([first], rank.process.stdout):
         with contextlib.suppress(OSError):  # drained whatever: a full pipe would hold the rank at its next log line
             sys.stderr.buffer.write(f"[rank {rank.rank}] ".encode() + line)
             sys.stderr.buffer.flush()
         if (found := line.find(LOAD_FAILURE_LOGGED.encode())) >= 0:
             rank.load_failure = line[found + len(LOAD_FAILURE_LOGGED):].decode(errors="replace").strip()
+        if line.strip():
+            rank.last_line = line.decode(errors="replace").strip()
 
 
 def run_group(settings: WorkerSettings) -> int:
@@ -161,6 +168,10 @@ def run_group(settings: WorkerSettings) -> int:
     if first.rank > 0 and status == EXIT_LOAD_FAILED and first.load_failure:
         # Rank 0 alone speaks to the gateway, and it was stopped waiting for this rank: the reason goes from here.
         return load_failed(settings, f"rank {first.rank} ({first.host}): {first.load_failure}")
+    if first.rank > 0 and not first.reached:  # ssh could not reach its host, or log in: no retry mends that
+        return load_failed(settings, f"rank {first.rank} ({first.host}) could not be started over ssh "
+                                     f"(status {status}): {first.last_line or 'no reason given'}; ssh to it from "
+                                     "this Mac must work without a password")
     return status
 
 
