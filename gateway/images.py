@@ -106,7 +106,11 @@ class ImageLoader:
             raise APIError(400, "the image URL is not a valid URL", param=source.param,
                            code="invalid_image_url") from None
         if scheme in ("http", "https"):
-            return await self._fetch(url, source.param)
+            fetched = await self._fetch(url, source.param)
+            # Kept as the image itself: a stored conversation (the Responses API's) shows its next turns the
+            # image its first was shown, without fetching it again (it may have changed, or gone).
+            source.data, source.url = base64.b64encode(fetched).decode(), None
+            return fetched
         raise APIError(400, "an image must be inline (a data: URL or base64) or an http(s) URL of an allowed "
                             "host; this server never reads local files", param=source.param, code="invalid_image_url")
 

@@ -86,6 +86,7 @@ class SlowHost:
 
 
 SLOW = SlowHost()
+FETCHED: list[str] = []  # the image host's paths, as asked for
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +97,7 @@ def image_host():
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
+            FETCHED.append(self.path)
             if self.path.startswith("/slow"):
                 SLOW.hold()
                 if self.path != "/slow.png":
@@ -224,6 +226,24 @@ def test_image_hosts_that_never_answer_hold_up_no_other_request(vision_model, vi
         assert answered.status_code == 200, answered.text
         assert took < 5, f"a text request waited {took:.1f}s behind image fetches"
         assert all(f.result().status_code == 400 for f in slow)
+
+
+def test_a_stored_conversation_keeps_its_fetched_image(vision_model, vision_server, image_host):
+    """A Responses turn on a stored one fetched the first turn's image URL again, each turn: the model
+    could be shown another image than the first turn's, or a 400 for one gone since."""
+    if vision_model.name != FAMILIES[0]:
+        pytest.skip("fetching images is the gateway's: the same for every family")
+    url = f"http://{image_host}/cat.png?stored"
+    first = vision_server.http.post("/v1/responses", json={
+        "model": MODEL, "max_output_tokens": 4, "temperature": 0,
+        "input": [{"role": "user", "content": [{"type": "input_image", "image_url": url},
+                                               {"type": "input_text", "text": QUESTION}]}]})
+    assert first.status_code == 200, first.text
+    then = vision_server.http.post("/v1/responses", json={
+        "model": MODEL, "max_output_tokens": 4, "temperature": 0, "previous_response_id": first.json()["id"],
+        "input": "And now?"})
+    assert then.status_code == 200, then.text
+    assert FETCHED.count("/cat.png?stored") == 1
 
 
 def _cpu_s(pid: int) -> float:
