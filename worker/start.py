@@ -90,6 +90,10 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
     if settings.distributed_hosts:
         if settings.prefix_cache_dir:  # each rank's disk could fail apart from the others', and the ranks part ways
             return load_failed(settings, "--prefix-cache-dir is not available to a distributed group")
+        # MLX waits for every rank, without a bound: a rank missing (its number taken twice, a hostfile of
+        # another length) leaves this one waiting, which the log should say.
+        log.info("rank %s of the group in %s: waiting for the other ranks", os.environ.get("MLX_RANK", "?"),
+                 settings.distributed_hosts)
         try:
             group = mx.distributed.init(backend=settings.distributed_backend, strict=True)
         except RuntimeError as e:  # a port in use, a host that never answered, no RDMA device
