@@ -383,7 +383,9 @@ class ModelPool:
         entry: dict = {"status": self.status(m.name), "pinned": m.pinned, "users": m.users,
                        "unloads_in_s": round(max(0.0, m.idle_until - now), 1) if idle else None,
                        # An operator asked it unloaded while requests ran: it unloads once none runs.
-                       "unload_requested": m.unload_requested and m.running}
+                       "unload_requested": m.unload_requested and m.running,
+                       # Its worker keeps exiting: the supervisor starts it again after a pause.
+                       "crash_loop": m.supervisor.crash_loop}
         if (charge := self.charge(m.name)) is not None:
             entry["memory"] = charge.as_dict()
         if (error := m.load_error()) is not None:

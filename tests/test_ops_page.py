@@ -113,6 +113,19 @@ def test_a_killed_worker_shows_as_lost_then_its_successor_as_ready(page, served)
     assert complete(served)["choices"][0]["text"]
 
 
+def test_a_frozen_worker_shows_on_its_models_row(page, served):
+    """The model's row said "loading" for a loaded model whose worker stopped answering."""
+    pid = served.health()["worker"]["pid"]
+    expect(model_row(page).locator(".state")).to_have_text("loaded", timeout=SEEN_S)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        expect(model_row(page).locator(".state")).to_have_text("unresponsive", timeout=SEEN_S)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    expect(model_row(page).locator(".state")).to_have_text("loaded", timeout=SEEN_S)
+    assert served.health()["pool"]["models"][MODEL_NAME]["crash_loop"] is False
+
+
 def test_unload_asks_first_and_unloads_once_confirmed(page, served):
     expect(model_row(page).locator(".state")).to_have_text("loaded", timeout=SEEN_S)
     page.once("dialog", lambda dialog: dialog.dismiss())
