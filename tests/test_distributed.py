@@ -275,6 +275,17 @@ def test_kill_9_of_a_rank_restarts_the_group_and_the_stream_completes(group, ref
     assert len(after) == 2 and {r["pid"] for r in after}.isdisjoint(r["pid"] for r in before)
 
 
+def test_a_group_leaves_no_files_in_its_hosts_temporary_directory(tiny_model, tmp_path):
+    """MLX's launch script writes each rank's pid file and hostfile (mktemp), for its own launcher: every
+    start of a group left them, on every host."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    with running(group_args(tiny_model), tmp_path / "serve.log", env={"TMPDIR": str(temporary)}) as server:
+        assert len(ranks_of(server)) == 2
+        # The gateway's own socket directory (mlxd-*) and MLX's cache of CPU kernels (mlx/) aside.
+        assert [p.name for p in temporary.iterdir() if not p.name.startswith("mlxd-") and p.name != "mlx"] == []
+
+
 def test_a_frozen_rank_is_hung_and_the_group_is_replaced(tiny_model, tmp_path, reference):
     """SIGSTOP on rank 1: rank 0 waits in a collective, its heartbeats go on
     and its step counter stalls; the supervisor kills the group's process

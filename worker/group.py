@@ -107,12 +107,19 @@ def shared_cpu_environment(local_ranks: int) -> list[str]:
     return [f"OPENBLAS_NUM_THREADS={max(1, (os.cpu_count() or 1) // local_ranks)}"]
 
 
+_EXEC = 'exec "${cmd[@]}"'  # how MLX's launch script ends
+
+
 def start_rank(rank: int, host: Host, settings: WorkerSettings, files: dict[str, str], env: list[str]) -> RankProcess:
     local = is_local(rank, host)
     # A rank on this machine stops if this process goes (--parent-pid).
     rank_settings = msgspec.structs.replace(settings, parent_pid=os.getpid() if local else None)
     command = worker_command(to_arguments(rank_settings))
     script = RemoteProcess.make_launch_script(rank, None, None, files, env, command, local)
+    # MLX's script leaves the pid file it writes (mktemp) for its own launcher, which this is not; the rank
+    # removes the others once it has read them (worker.start). Else every start left them in each host's $TMPDIR.
+    script = script.replace(_EXEC, 'rm -f "$pidfile"; ' + _EXEC)
+    assert _EXEC in script, "MLX's launch script changed: see _EXEC"
     if not local:
         # A terminal's Ctrl-C reaches this process group: ssh ignores it (an ignored
         # SIGINT survives exec, and ssh keeps it so), for the group to drain rather than
