@@ -270,14 +270,14 @@ def test_frozen_worker_is_not_ready_then_recovers(split, expected):
 def test_a_frozen_gateway_does_not_find_its_worker_unresponsive(split, expected):
     """The worker beat on while the gateway stood still: on waking, the gateway took its own silence for the
     worker's, logged it unresponsive and made it not ready (and past --hung-worker-s would have killed it)."""
-    s = split("--worker-timeout-s", "1", "--hung-worker-s", "2")
+    s = split("--worker-timeout-s", "2")
     s.start_worker()
     s.gateway.wait_ready()
     reader = StreamReader(s.gateway.url)
     reader.start()
     reader.wait_for_pieces(20)
     os.kill(s.gateway.proc.pid, signal.SIGSTOP)
-    time.sleep(3.5)
+    time.sleep(4.5)
     os.kill(s.gateway.proc.pid, signal.SIGCONT)
     reader.join(60)
     assert reader.failure is None and reader.errors == [] and reader.text == expected
