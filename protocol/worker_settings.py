@@ -111,7 +111,8 @@ class WorkerSettings(LogSettings, kw_only=True):
         Meta(description="the group's MLX backend: ring (TCP, any network) or jaccl (RDMA over Thunderbolt 5)"),
     ] = "ring"
     distributed_port: Annotated[
-        int, Meta(ge=1, le=65535, description="the group's first TCP port; rank k listens on this + k")
+        int, Meta(ge=1, le=65535, description="the group's first TCP port; rank k listens on this + k (with "
+                                              "several --model, the m-th model's group on this + m x hosts + k)")
     ] = 32323
     sharding: Annotated[
         Literal["tensor", "pipeline"],

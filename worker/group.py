@@ -13,7 +13,6 @@ goes to rank 0 alone, which drains and then tells the others to exit.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import logging
 import os
@@ -107,7 +106,23 @@ def shared_cpu_environment(local_ranks: int) -> list[str]:
     return [f"OPENBLAS_NUM_THREADS={max(1, (os.cpu_count() or 1) // local_ranks)}"]
 
 
-_EXEC = 'exec "${cmd[@]}"'  # how MLX's launch script ends
+# Two lines of MLX's launch script, as mlxd changes them: the path of the pid file it writes (mktemp) for its own
+# launcher, which this is not, printed first; and its end, the rank's command.
+_PID_PRINTED = 'printf "%s\\n" $pidfile; '
+_EXEC = 'exec "${cmd[@]}"'
+# What mlxd's script prints instead of the pid file's path: the host ran it (over ssh, it was reached).
+STARTED = "mlxd: rank started"
+
+
+def _launch_script(rank: int, files: dict[str, str], env: list[str], command: list[str], local: bool) -> str:
+    """MLX's launch script (what mlx.launch runs on each host), saying it started where it said where its pid
+    file is, and removing that file: every start left it in each host's $TMPDIR (the rank removes the files
+    it reads once it has read them: worker.start)."""
+    script = RemoteProcess.make_launch_script(rank, None, None, files, env, command, local)
+    if _PID_PRINTED not in script or _EXEC not in script:
+        raise GroupError("MLX's launch script is not the one mlxd knows (worker/group.py): install the mlx "
+                         "version mlxd pins")
+    return script.replace(_PID_PRINTED, f"echo {shlex.quote(STARTED)}; ").replace(_EXEC, 'rm -f "$pidfile"; ' + _EXEC)
 
 
 def start_rank(rank: int, host: Host, settings: WorkerSettings, files: dict[str, str], env: list[str]) -> RankProcess:
@@ -115,11 +130,7 @@ def start_rank(rank: int, host: Host, settings: WorkerSettings, files: dict[str,
     # A rank on this machine stops if this process goes (--parent-pid).
     rank_settings = msgspec.structs.replace(settings, parent_pid=os.getpid() if local else None)
     command = worker_command(to_arguments(rank_settings))
-    script = RemoteProcess.make_launch_script(rank, None, None, files, env, command, local)
-    # MLX's script leaves the pid file it writes (mktemp) for its own launcher, which this is not; the rank
-    # removes the others once it has read them (worker.start). Else every start left them in each host's $TMPDIR.
-    script = script.replace(_EXEC, 'rm -f "$pidfile"; ' + _EXEC)
-    assert _EXEC in script, "MLX's launch script changed: see _EXEC"
+    script = _launch_script(rank, files, env, command, local)
     if not local:
         # A terminal's Ctrl-C reaches this process group: ssh ignores it (an ignored
         # SIGINT survives exec, and ssh keeps it so), for the group to drain rather than
@@ -136,13 +147,14 @@ def start_rank(rank: int, host: Host, settings: WorkerSettings, files: dict[str,
 
 
 def _relay(rank: RankProcess) -> None:
-    """A rank's output (its log) to our standard error, less the launcher
-    script's first line (the path of its pid file); the reason it gives for
-    not loading the model is kept, and ssh's where it never ran."""
+    """A rank's output (its log) to our standard error, less the launch
+    script's word that it started; the reason it gives for not loading the
+    model is kept, and ssh's where it never ran."""
     assert rank.process.stdout is not None
-    first = rank.process.stdout.readline()
-    rank.reached = first.startswith(b"/")
-    for line in rank.process.stdout if rank.reached else itertools.chain([first], rank.process.stdout):
+    for line in rank.process.stdout:
+        if not rank.reached and line.strip() == STARTED.encode():
+            rank.reached = True
+            continue
         with contextlib.suppress(OSError):  # drained whatever: a full pipe would hold the rank at its next log line
             sys.stderr.buffer.write(f"[rank {rank.rank}] ".encode() + line)
             sys.stderr.buffer.flush()
@@ -156,6 +168,7 @@ def run_group(settings: WorkerSettings) -> int:
     try:
         hosts = hostfile_of(settings)
         files, env = rank_environment(settings, hosts)
+        _launch_script(0, files, env, [], True)
     except GroupError as e:  # told to the gateway as a load failure: retrying cannot mend it
         return load_failed(settings, str(e))
     log.info("starting a %s group of %d ranks (%s sharding) on %s", settings.distributed_backend, len(hosts.hosts),

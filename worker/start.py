@@ -99,11 +99,12 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
             group = mx.distributed.init(backend=settings.distributed_backend, strict=True)
         except RuntimeError as e:  # a port in use, a host that never answered, no RDMA device
             return load_failed(settings, f"cannot join the distributed group: {e}")
+        finally:
+            if GROUP_PID_ENV in os.environ:  # mlxd's own launcher wrote these for MLX, in temporary files
+                for written in ("MLX_HOSTFILE", "MLX_IBV_DEVICES"):
+                    with contextlib.suppress(KeyError, OSError):
+                        os.unlink(os.environ[written])
         channel, sharding = RankChannel(group), Sharding(group, settings.sharding == "pipeline")
-        if GROUP_PID_ENV in os.environ:  # started by mlxd's own launcher: its files for MLX are read, and temporary
-            for written in ("MLX_HOSTFILE", "MLX_IBV_DEVICES"):
-                with contextlib.suppress(KeyError, OSError):
-                    os.unlink(os.environ[written])
         _stop_with_parent(settings.parent_pid)
         log.info("rank %d of %d", group.rank(), group.size())
     cache_dir = None
