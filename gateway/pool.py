@@ -385,7 +385,7 @@ class ModelPool:
                        # An operator asked it unloaded while requests ran: it unloads once none runs.
                        "unload_requested": m.unload_requested and m.running,
                        # Its worker keeps exiting: the supervisor starts it again after a pause.
-                       "crash_loop": m.supervisor.crash_loop}
+                       "crash_loop": m.supervisor.running and m.supervisor.crash_loop}
         if (charge := self.charge(m.name)) is not None:
             entry["memory"] = charge.as_dict()
         if (error := m.load_error()) is not None:
