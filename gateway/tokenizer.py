@@ -266,29 +266,21 @@ class Tokenizer:
             # of a second or more, thread or not) and skips the offsets nobody reads.
             return Prompt(text, self.rust.encode_batch_fast([text], add_special_tokens=False)[0].ids)
         assert self.processor is not None, "images reach only a vision model's tokenizer"
-        # Written in a message, an image token is an image position more than the images fill.
-        tokens = image_tokens(self.processor)
-        written = "".join(_text_of(m["content"]) for m in messages)
-        if held := [token for token in tokens if token in written]:
-            raise PromptError(f"the messages' text holds the model's image token {held[0]!r}, which stands for "
-                              "an image here; write it otherwise")
+        # Written in what the template renders (a message, a tool's definition, a call's
+        # arguments), an image token is an image position more than the images fill.
+        written = "".join(_text_of(m["content"]) for m in messages) + json.dumps(
+            [tools, [m.get("tool_calls") for m in messages]], ensure_ascii=False, default=str)
+        if held := [token for token in image_tokens(self.processor) if token in written]:
+            raise PromptError(f"the request's text (its messages, tools or tool calls) holds the model's image "
+                              f"token {held[0]!r}, which stands for an image here; write it otherwise")
+        # Some templates leave out the images of some messages (Gemma 3's and Mistral's
+        # of a system message), and some processors then fill the placeholders left
+        # with the first images: the model would be shown another image than asked.
         placeholder = getattr(self.processor, "boi_token", None) or getattr(self.processor, "image_token", None)
-        if isinstance(placeholder, str) and placeholder:
-            # The same, written in what else the template renders (tools, a tool call's arguments).
-            placed = text.count(placeholder)
-            stray = [t for t in tokens if t != placeholder and t in text]
-            if stray or placed > len(images):
-                token = stray[0] if stray else placeholder
-                raise PromptError(f"the prompt holds the model's image token {token!r} outside the images' places "
-                                  "(in a tool's definition or a call's arguments), where it stands for an image "
-                                  "here; write it otherwise")
-            # Some templates leave out the images of some messages (Gemma 3's and Mistral's
-            # of a system message), and some processors then fill the placeholders left
-            # with the first images: the model would be shown another image than asked.
-            if placed < len(images):
-                raise PromptError(f"the model's chat template placed {placed} of the request's {len(images)} "
-                                  "images in the prompt (templates leave out images in some messages, such as a "
-                                  "system message's); send images in user messages")
+        if isinstance(placeholder, str) and placeholder and (placed := text.count(placeholder)) != len(images):
+            raise PromptError(f"the model's chat template placed {placed} of the request's {len(images)} images "
+                              "in the prompt (templates leave out images in some messages, such as a system "
+                              "message's); send images in user messages")
         try:
             out = self.processor(text=[text], images=images, return_tensors="np", add_special_tokens=False)
         except (ValueError, TypeError) as e:
