@@ -14,6 +14,7 @@ import asyncio
 import base64
 import binascii
 import io
+import os
 import re
 import time
 import urllib.error
@@ -36,9 +37,10 @@ MAX_ASPECT_RATIO = 200
 _DATA_URL = re.compile(r"data:[^,]*;base64,(?P<data>.*)", re.S | re.I)  # the media type is not trusted: decoding decides
 # Image URLs fetched at once; more wait their turn (within their timeout).
 FETCH_THREADS = 32
-# Images decoded at once, in threads of their own: a large one takes a core and hundreds of MB for a second
-# or more, and in the event loop's shared pool a few requests of them held up every long prompt's tokenizing.
-DECODE_THREADS = 2
+# Images decoded at once (half the cores, two at least), in threads of their own: a large one takes a core and
+# hundreds of MB for a second or more, and in the event loop's shared pool a few requests of them held up every
+# long prompt's tokenizing.
+DECODE_THREADS = max(2, (os.cpu_count() or 2) // 2)
 # In place of an image in a tool's result, whose image chat templates do not take.
 IMAGE_LEFT_OUT = "[an image, left out: this server passes no images in a tool's result to the model]"
 

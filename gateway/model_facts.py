@@ -67,20 +67,23 @@ def model_facts(source: str) -> ModelFacts:
 
 def _chat_templates(directory: Path) -> dict[str, str]:
     """Its chat templates by name ("default" for the one a model without
-    names has): tokenizer_config.json's (a text, or named templates), else
-    chat_template.jinja's, else chat_template.json's (vision models'
-    processors keep it there)."""
+    names has): tokenizer_config.json's (a text, or named templates), the
+    default else from chat_template.jinja, else chat_template.json (vision
+    models' processors keep it there)."""
     template = _json(directory, "tokenizer_config.json").get("chat_template")
-    if isinstance(template, list):
-        return {t["name"]: t["template"] for t in template
-                if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+    templates: dict[str, str] = {}
     if isinstance(template, str):
-        return {"default": template}
-    try:
-        return {"default": (directory / "chat_template.jinja").read_text()}
-    except (OSError, ValueError):  # none, or not UTF-8 (which the worker refuses at load, with its reason)
-        template = _json(directory, "chat_template.json").get("chat_template")
-        return {"default": template} if isinstance(template, str) else {}
+        templates["default"] = template
+    elif isinstance(template, list):
+        templates = {t["name"]: t["template"] for t in template
+                     if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+    if "default" not in templates:
+        try:
+            templates["default"] = (directory / "chat_template.jinja").read_text()
+        except (OSError, ValueError):  # none, or not UTF-8 (which the worker refuses at load, with its reason)
+            if isinstance(template := _json(directory, "chat_template.json").get("chat_template"), str):
+                templates["default"] = template
+    return templates
 
 
 def _json(directory: Path, name: str) -> dict:

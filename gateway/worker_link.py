@@ -67,7 +67,7 @@ from protocol import (
     hello_version,
 )
 from protocol.codec import files_digest
-from protocol.worker_settings import split_model
+from protocol.worker_settings import WorkerSettings, announced_name
 
 log = logging.getLogger("mlxd.gateway.link")
 
@@ -394,7 +394,7 @@ class WorkerLink:
             return
         if isinstance(message, LoadFailed):
             log.error("worker pid %d cannot load its model %r: %s", message.pid, message.model, message.reason)
-            named = split_model(message.model)[0] or message.model  # its --model: NAME=SOURCE, or a SOURCE
+            named = announced_name(WorkerSettings(model=message.model))  # as its Hello would have named it
             self._event(message.pid, self._names_of(named), "load failed", message.reason)
             self.load_failure = self.load_failures[message.model] = message
             self.notify()
@@ -675,7 +675,7 @@ class WorkerLink:
         while True:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
             now = time.monotonic()
-            if (away_s := now - ticked - WATCHDOG_INTERVAL_S) > GATEWAY_STALL_S:
+            if (away_s := now - ticked - WATCHDOG_INTERVAL_S) > min(GATEWAY_STALL_S, self.worker_timeout_s / 2):
                 # The gateway stood still (its loop, or its process): its workers' silence meanwhile is its own.
                 log.warning("the gateway's event loop stood still for %.1fs", away_s)
                 for w in self.workers.values():  # a beat read since it woke (just now) stands as it is
