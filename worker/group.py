@@ -115,9 +115,9 @@ STARTED = "mlxd: rank started"
 
 
 def _launch_script(rank: int, files: dict[str, str], env: list[str], command: list[str], local: bool) -> str:
-    """MLX's launch script (what mlx.launch runs on each host), saying it started where it said where its pid
-    file is, and removing that file: every start left it in each host's $TMPDIR (the rank removes the files
-    it reads once it has read them: worker.start)."""
+    """MLX's launch script (what mlx.launch runs on each host), printing STARTED in place of its pid file's
+    path, and removing that file: every start left it in each host's $TMPDIR (the rank removes the files it
+    reads once it has read them: worker.start)."""
     script = RemoteProcess.make_launch_script(rank, None, None, files, env, command, local)
     if _PID_PRINTED not in script or _EXEC not in script:
         raise GroupError("MLX's launch script is not the one mlxd knows (worker/group.py): install the mlx "
@@ -168,7 +168,7 @@ def run_group(settings: WorkerSettings) -> int:
     try:
         hosts = hostfile_of(settings)
         files, env = rank_environment(settings, hosts)
-        _launch_script(0, files, env, [], True)
+        _launch_script(0, files, env, [], True)  # MLX's script is one mlxd knows, before any rank starts
     except GroupError as e:  # told to the gateway as a load failure: retrying cannot mend it
         return load_failed(settings, str(e))
     log.info("starting a %s group of %d ranks (%s sharding) on %s", settings.distributed_backend, len(hosts.hosts),
