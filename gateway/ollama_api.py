@@ -130,7 +130,8 @@ def sampling(options: Options | None, logprobs: int | None) -> tuple[SamplingPar
     # Clients that map OpenAI's fields onto these send a frequency_penalty of 0 as a repeat_penalty of 0.
     repeat_penalty = o.repeat_penalty if o.repeat_penalty is None or o.repeat_penalty > 0 else 1.0
     params = SamplingParams(temperature=o.temperature, top_p=None if o.top_p is None else min(o.top_p, 1.0),
-                            top_k=None if o.top_k is None else int(o.top_k), min_p=None if o.min_p is None else min(max(o.min_p, 0.0), 1.0),
+                            top_k=None if o.top_k is None else int(o.top_k),
+                            min_p=None if o.min_p is None else min(max(o.min_p, 0.0), 1.0),
                             repetition_penalty=repeat_penalty, presence_penalty=_penalty(o.presence_penalty),
                             frequency_penalty=_penalty(o.frequency_penalty),
                             # A negative seed is Ollama's (and llama.cpp's) "no seed": a new draw every time.
@@ -434,7 +435,7 @@ class OllamaAPI:
             facts = self.serving.model_facts(name)
             template, tools = facts.chat_template, facts.takes_tools
             thinking, vision = reasons(template, detect_reasoning(template, set())), facts.vision
-        capabilities = ["completion"] + [c for c, has in (("tools", tools or "tools" in template),
+        capabilities = ["completion"] + [c for c, has in (("tools", tools),
                                                           ("thinking", thinking), ("vision", vision)) if has]
         family = entry.details.family
         info: dict = {"general.architecture": family}
