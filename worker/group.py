@@ -125,19 +125,23 @@ def _launch_script(rank: int, files: dict[str, str], env: list[str], command: li
     return script.replace(_PID_PRINTED, f"echo {shlex.quote(STARTED)}; ").replace(_EXEC, 'rm -f "$pidfile"; ' + _EXEC)
 
 
-def start_rank(rank: int, host: Host, settings: WorkerSettings, files: dict[str, str], env: list[str]) -> RankProcess:
+def rank_script(rank: int, host: Host, settings: WorkerSettings, files: dict[str, str], env: list[str]) -> str:
+    """The shell command that starts the rank on its host (over ssh, for another host)."""
     local = is_local(rank, host)
     # A rank on this machine stops if this process goes (--parent-pid).
     rank_settings = msgspec.structs.replace(settings, parent_pid=os.getpid() if local else None)
-    command = worker_command(to_arguments(rank_settings))
-    script = _launch_script(rank, files, env, command, local)
-    if not local:
-        # A terminal's Ctrl-C reaches this process group: ssh ignores it (an ignored
-        # SIGINT survives exec, and ssh keeps it so), for the group to drain rather than
-        # lose its remote ranks to a hang-up; a vanished host is noticed within 15 s.
-        # ssh's errors (no route, a refused key) are the operator's only clue; its warnings are noise.
-        script = (f"trap '' INT; exec ssh -tt -o LogLevel=ERROR -o BatchMode=yes -o ServerAliveInterval=5 "
-                  f"-o ServerAliveCountMax=3 {shlex.quote(host.ssh_hostname)} {shlex.quote(script)}")
+    script = _launch_script(rank, files, env, worker_command(to_arguments(rank_settings)), local)
+    if local:
+        return script
+    # A terminal's Ctrl-C reaches this process group: ssh ignores it (an ignored
+    # SIGINT survives exec, and ssh keeps it so), for the group to drain rather than
+    # lose its remote ranks to a hang-up; a vanished host is noticed within 15 s.
+    # ssh's errors (no route, a refused key) are the operator's only clue; its warnings are noise.
+    return (f"trap '' INT; exec ssh -tt -o LogLevel=ERROR -o BatchMode=yes -o ServerAliveInterval=5 "
+            f"-o ServerAliveCountMax=3 {shlex.quote(host.ssh_hostname)} {shlex.quote(script)}")
+
+
+def start_rank(rank: int, host: Host, script: str) -> RankProcess:
     process = subprocess.Popen(script, shell=True, executable="/bin/bash", stdin=subprocess.DEVNULL,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     started = RankProcess(rank, host.ssh_hostname, process)
@@ -168,15 +172,16 @@ def run_group(settings: WorkerSettings) -> int:
     try:
         hosts = hostfile_of(settings)
         files, env = rank_environment(settings, hosts)
-        _launch_script(0, files, env, [], True)  # MLX's script is one mlxd knows, before any rank starts
+        local = [is_local(rank, host) for rank, host in enumerate(hosts.hosts)]
+        cpu_env = shared_cpu_environment(sum(local))
+        # Every rank's, before any starts: MLX's launch script may not be the one mlxd knows.
+        scripts = [rank_script(rank, host, settings, files, env + (cpu_env if local[rank] else []))
+                   for rank, host in enumerate(hosts.hosts)]
     except GroupError as e:  # told to the gateway as a load failure: retrying cannot mend it
         return load_failed(settings, str(e))
     log.info("starting a %s group of %d ranks (%s sharding) on %s", settings.distributed_backend, len(hosts.hosts),
              settings.sharding, ", ".join(h.ssh_hostname for h in hosts.hosts))
-    local = [is_local(rank, host) for rank, host in enumerate(hosts.hosts)]
-    cpu_env = shared_cpu_environment(sum(local))
-    ranks = [start_rank(rank, host, settings, files, env + (cpu_env if local[rank] else []))
-             for rank, host in enumerate(hosts.hosts)]
+    ranks = [start_rank(rank, host, script) for (rank, host), script in zip(enumerate(hosts.hosts), scripts)]
 
     def drain(signum, _frame):
         log.info("received %s; rank 0 drains, then the group exits", signal.Signals(signum).name)
