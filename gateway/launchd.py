@@ -132,8 +132,7 @@ S = TypeVar("S", GatewaySettings, WorkerSettings)
 
 # The settings that name files or directories: the jobs run in the user's home
 # directory, so a path given relative to where `install` ran is made absolute.
-PATH_SETTINGS = {"api_key_file", "prefix_cache_dir", "curve_secret_key", "curve_server_key",
-                 "curve_authorized_keys"}
+PATH_SETTINGS = {"api_key_file", "prefix_cache_dir"}
 
 
 def _absolute(path: str) -> str:
@@ -363,6 +362,22 @@ def restart_worker(layout: Layout, model: str | None) -> None:
         print(f"restarted {layout.target(job)}: it drains, hands its requests back, and a new one takes over")
 
 
+# Flags of `mlxd serve` that the jobs would not use: refused rather than dropped.
+UNUSED_FLAGS = ("--log-file", "--curve-secret-key", "--curve-server-key", "--curve-authorized-keys")
+
+
+def refuse_unused_flags(args: argparse.Namespace, layout: Layout) -> None:
+    """Each job's log is its own, and the gateway and its workers meet on a
+    local socket."""
+    if args.log_file:
+        raise LaunchdError(f"--log-file is not taken here: each job logs to {layout.log_dir}/JOB.log "
+                           "(gateway.log, worker.log), which the newsyslog entry rotates")
+    curve = [flag for flag in UNUSED_FLAGS[1:] if getattr(args, flag[2:].replace("-", "_"))]
+    if curve:
+        raise LaunchdError(f"{', '.join(curve)}: the jobs meet on a local socket ({layout.endpoint}), which "
+                           "needs no CURVE keys; those are for workers on other machines (docs/security.md)")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="mlxd launchd", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -379,6 +394,8 @@ def main(argv: list[str]) -> int:
             # The jobs' settings are the flags given here, never this shell's MLXD_* variables.
             add_arguments(sub, WorkerSettings, exclude=frozenset({"worker_endpoint", "parent_pid"}), variables=False)
             add_arguments(sub, GatewaySettings, exclude=frozenset({"worker_endpoint"}), variables=False)
+            for unused in UNUSED_FLAGS:  # out of --help; refuse_unused_flags says why
+                sub.add_argument(unused, help=argparse.SUPPRESS)
             sub.add_argument("--model", action="append", default=None, help=(
                 "a model, as SOURCE or NAME=SOURCE; repeatable: each one in a worker job of its own "
                 "(com.mlxd.worker.NAME), named NAME=SOURCE"))
@@ -394,6 +411,7 @@ def main(argv: list[str]) -> int:
         if args.command == "install":
             if args.dry_run != (args.output is not None):
                 parser.error("--dry-run and --output go together")
+            refuse_unused_flags(args, layout)
             gateway, keys = checked_gateway(layout, absolute_paths(resolve(GatewaySettings, args, environ={})))
             models = [absolute_model(m) for m in args.model or []]
             check_model_names(gateway, len(models))

@@ -226,3 +226,10 @@ def test_install_help_names_no_variables():
     """install writes the flags given into the plists; it reads no MLXD_* variable of this shell."""
     result = subprocess.run([*MLXD, "launchd", "install", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0 and "--port" in result.stdout and "[env MLXD_" not in result.stdout
+
+
+@pytest.mark.parametrize("flag", ["--log-file", "--curve-secret-key", "--curve-server-key", "--curve-authorized-keys"])
+def test_flags_the_jobs_would_not_use_are_refused_not_dropped(tmp_path, flag):
+    result = run_install(tmp_path, flag, str(tmp_path / "some.file"))
+    assert result.returncode == 1 and f"{flag}" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
