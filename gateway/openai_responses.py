@@ -417,8 +417,9 @@ class ResponseOutput:
         status = ("cancelled" if error.status == CANCELLED else "failed") if error is not None else \
             "incomplete" if self._finish == "length" else "completed"
         response = self._response(status, group, error)
-        if error is None:
-            self._keep(response, self._messages())
+        # A failed or cancelled response is kept too, as OpenAI keeps it: a GET
+        # then says what became of it, where a 404 would say it never was.
+        self._keep(response, self._messages())
         return response
 
     def _messages(self) -> list[dict]:

@@ -363,3 +363,5 @@ def test_a_cancelled_response_says_cancelled(server, validate):
     assert final["response"]["status"] == "cancelled"
     assert final["response"]["error"] is None  # OpenAI's error codes have none for a cancel
     assert final["response"]["output"][-1]["status"] == "incomplete"
+    stored = server.http.get(f"/v1/responses/{response_id}").json()
+    assert stored["status"] == "cancelled" and stored["output"] == final["response"]["output"]
