@@ -378,6 +378,33 @@ def test_ranks_that_would_run_other_steps_do_not_start(tiny_model, tmp_path, dif
             rank.wait()
 
 
+@pytest.mark.parametrize("failing", [1, 0])
+def test_a_rank_that_cannot_load_its_model_says_why_on_every_rank(tiny_model, tmp_path, failing):
+    """Ranks started by hand, one of them given a model its host does not
+    have: rank 0, which alone tells the gateway, said only that the
+    connection to a peer was lost; the reason was in the other rank's log."""
+    hostfile = tmp_path / "hosts.json"
+    first = free_ports(2)
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{first}"], [f"127.0.0.1:{first + 1}"]]))
+    missing = tmp_path / "not-on-this-host"
+    ranks = [subprocess.Popen([*MLXD, "worker", "--model", str(missing if rank == failing else tiny_model),
+                               "--worker-endpoint", f"ipc://{tmp_path}/w.sock",
+                               "--distributed-hosts", "127.0.0.1,127.0.0.1"],
+                              cwd=ROOT, env={**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    try:
+        for rank in ranks:
+            output = rank.communicate(timeout=120)[0]
+            assert rank.returncode == EXIT_LOAD_FAILED, output
+            assert f"rank {failing} (" in output and str(missing) in output, output
+            assert "connection to a peer was lost" not in output, output
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+
+
 @pytest.mark.parametrize("dies", [1, 0])
 def test_ranks_started_by_hand_exit_when_another_dies_while_idle(tiny_model, tmp_path, dies):
     """Each Mac's launchd job starts a rank: a rank killed while the group was idle left rank 0 waiting in

@@ -68,6 +68,7 @@ class RankSetup(msgspec.Struct, frozen=True):
     # Each rank loads the model from its own host's files and runs it with its own install and
     # flags: digests of what must be alike, by part (worker.start.rank_setup).
     setup: dict[str, str]
+    failure: str = ""  # why this rank could not load the model (then no setup)
 
 
 class RankState(msgspec.Struct, frozen=True):
@@ -160,6 +161,12 @@ class RankChannel:
         found = self._all_sum(found)
         shortest = int(found[:, 0].min())
         return shortest if all(cut for length, cut in found if length > shortest) else 0
+
+    def meet_load_barrier(self) -> None:
+        """Meet the other ranks at the barrier that ends their load (mlx-lm's
+        sharded_load), which this rank's failed load never reached: they then
+        gather setups with it and hear why it failed, not that it is gone."""
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=self.group))
 
     def gather(self, state: T) -> list[T]:
         """Every rank's `state` (a RankSetup or a RankState), in rank order, on every rank."""

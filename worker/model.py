@@ -128,12 +128,15 @@ def model_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-@dataclass(frozen=True)
+@dataclass
 class Sharding:
     """This process's part of a model split across an mx.distributed group."""
 
     group: mx.distributed.Group
     pipeline: bool  # a run of layers per rank; else every layer split across the ranks (tensor parallel)
+    # Set once this rank's shard is loaded. mlx-lm's sharded_load ends on a barrier of the whole group:
+    # a rank that failed before it must still meet the others there (RankChannel.meet_load_barrier).
+    loaded: bool = False
 
 
 def load_model(spec: str, context_length: int | None = None, cpu_dequantize: bool = True,
@@ -164,6 +167,7 @@ def _load(path: Path, name: str, context_length: int | None, cpu_dequantize: boo
         # Its tokenizer is otherwise loaded with remote code trusted (mlx-lm's default there): an auto_map
         # in a repo's tokenizer_config would run code from the hub on every Mac of the group.
         model, tokenizer = sharded_load(str(path), *groups, tokenizer_config={"trust_remote_code": False})[:2]
+        sharding.loaded = True
     elif "vision_config" in config:  # a vision-language model, for mlx-vlm
         model, image_token_id = load_vision_model(path)
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))

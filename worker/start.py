@@ -114,21 +114,32 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
         except (OSError, ValueError) as e:
             return load_failed(settings, f"--prefix-cache-dir: {e}")
     started = time.monotonic()
+    loaded: LoadedModel | None = None
+    failure = ""
     try:
         loaded = load_model(model_source(settings), settings.context_length, settings.cpu_dequantize, sharding)
     except (ModelNotFound, OSError, ValueError) as e:  # GGUFError is a ValueError
-        return load_failed(settings, str(e))
+        failure = str(e)
     except Exception as e:  # an unexpected failure in a loader: the reason still reaches the operator
         log.exception("loading the model failed")
         return load_failed(settings, f"{type(e).__name__}: {e}")
-    log.info("loaded %s from %s in %.1fs", loaded.name, loaded.path, time.monotonic() - started)
     ranks = []
     if channel is not None:
-        setups = channel.gather(RankSetup(this_rank(channel.rank), rank_setup(loaded, settings)))
+        assert sharding is not None
+        if loaded is None and not sharding.loaded:
+            channel.meet_load_barrier()
+        mine = RankSetup(this_rank(channel.rank), rank_setup(loaded, settings) if loaded else {}, failure)
+        setups = channel.gather(mine)
+        if failed := [s for s in setups if s.failure]:  # every rank says why, rank 0 to the gateway
+            return load_failed(settings, "; ".join(f"rank {s.rank.rank} ({s.rank.host}) cannot load "
+                                                   f"{settings.model}: {s.failure}" for s in failed))
         if differing := group_differences(setups):  # every rank sees it, and every rank stops
             return load_failed(settings, f"the ranks of {settings.model} differ in their {differing}: give every "
                                          "host the same snapshot of the model, the same install and the same flags")
         ranks = [s.rank for s in setups]
+    if loaded is None:
+        return load_failed(settings, failure)
+    log.info("loaded %s from %s in %.1fs", loaded.name, loaded.path, time.monotonic() - started)
     weights = weights_bytes(loaded.model)
     set_limits(settings.memory_limit_bytes, weights)
     vision = None
