@@ -343,7 +343,8 @@ class Model(msgspec.Struct):
     created: int
     owned_by: str = "mlxd"
     object: str = "model"
-    # mlxd's: "loaded" (a worker serving it is ready), "loading" or "unloaded" (it loads on its first request).
+    # mlxd's: "loaded" (a worker serving it is ready), "loading", "unloading" (its worker is being stopped)
+    # or "unloaded" (it loads on its first request).
     status: str = "loaded"
     memory: ModelMemory | None = None  # mlxd's, for a model `mlxd serve` runs, while it runs
     # mlxd's, where known (gateway/model_facts.py): its weights' bytes, "Q4" / "BF16" / ..., its context.

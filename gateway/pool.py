@@ -353,10 +353,13 @@ class ModelPool:
                                           if m.running and (m.supervisor.restarted or m.name in unhealthy))
 
     def status(self, name: str) -> str:
-        """"loaded" (a ready worker serves it), "loading" (started, not ready yet) or "unloaded"."""
+        """"loaded" (a ready worker serves it), "loading" (started, not ready yet), "unloading" (its
+        worker is being stopped: its memory is not free yet) or "unloaded"."""
+        m = self.find(name)
+        if m is not None and m.stopping:
+            return "unloading"
         if any(w.ready and name in w.names for w in self.link.workers.values()):
             return "loaded"
-        m = self.find(name)
         return "loading" if m is not None and m.running else "unloaded"
 
     def charge(self, name: str) -> Charge | None:

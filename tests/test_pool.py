@@ -576,6 +576,8 @@ def test_a_worker_slow_to_stop_holds_up_no_other_model_and_keeps_its_room(models
         os.kill(beta, signal.SIGSTOP)
         unload = in_background("unload", lambda: srv.http.post("/admin/models/beta/unload", timeout=60))
         time.sleep(0.3)
+        beta_entry = srv.health()["pool"]["models"]["beta"]
+        assert beta_entry["status"] == "unloading" and beta_entry["memory"]  # its room is not free yet
         started = time.monotonic()
         ref = Reference(models["alpha"])
         assert complete(srv, "alpha")["choices"][0]["text"] == ref.greedy(ref.text_prompt(PROMPT), 8).text
