@@ -219,6 +219,7 @@ class PrefixCacheStats(msgspec.Struct, array_like=True):
     disk_bytes: int = 0
     lookups: int = 0  # prompts looked up: hits / lookups is the hit rate
     prefilled_tokens: int = 0  # prompt tokens that found no KV state to reuse, in total
+    disk_budget: int = 0  # what the disk tier may hold now: --prefix-cache-disk-bytes, less while its disk is full
 
 
 class MemoryStats(msgspec.Struct, array_like=True):

@@ -15,6 +15,7 @@ import time
 import httpx
 import openai
 
+from protocol.worker_settings import WorkerSettings
 from tests.conftest import MLXD, ROOT, free_port, running, wait_for
 from tests.tiny_model import make_tiny_model
 
@@ -62,6 +63,7 @@ def test_kv_state_outlives_the_worker_and_a_damaged_file_costs_only_a_prefill(ti
     labels = f'{{model="{worker["names"][0]}",pid="{worker["pid"]}"}}'
     assert f"mlxd_prefix_cache_disk_tokens_total{labels} {restored}\n" in metrics
     assert f"mlxd_prefix_cache_prefilled_tokens_total{labels} {len(prompt) - restored}\n" in metrics
+    assert f"mlxd_prefix_cache_disk_budget_bytes{labels} {WorkerSettings().prefix_cache_disk_bytes}\n" in metrics
     assert warm.choices[0].message.content == expected
 
     damaged = {}

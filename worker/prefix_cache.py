@@ -173,7 +173,7 @@ class PrefixCache:
         return PrefixCacheStats(self.hits, self.cached_tokens, self._lru.nbytes, len(self._lru),
                                 disk_tokens=disk.restored_tokens if disk else 0, disk_hits=self.disk_hits,
                                 disk_bytes=disk.nbytes if disk else 0, lookups=self.lookups,
-                                prefilled_tokens=self.prefilled_tokens)
+                                prefilled_tokens=self.prefilled_tokens, disk_budget=disk.budget if disk else 0)
 
 
 def own_buffers(cache: list) -> None:
