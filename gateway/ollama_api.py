@@ -167,7 +167,8 @@ def thinking(think: bool | str | None) -> dict | None:
     raise APIError(400, 'think must be true, false, "low", "medium", "high" or "max"', param="think")
 
 
-def chat_input(messages: list[Message], think: bool | str | None, param: str = "messages") -> ChatInput:
+def chat_input(messages: list[Message], think: bool | str | None, param: str = "messages",
+               truncate: bool = True) -> ChatInput:
     """The messages as chat templates take them, and their images in order.
 
     Calls carry the ids the answers gave them, and a `tool` message the
@@ -175,7 +176,8 @@ def chat_input(messages: list[Message], think: bool | str | None, param: str = "
     (templates that pair a tool's result with its call by id use them: Kimi's,
     Mistral's); where they do not, a call gets an id made from its place, and
     a `tool` message the id of its turn's next call (of its `tool_name`, when
-    it names one)."""
+    it names one). Longer than the context, the conversation loses its oldest
+    turns, unless `truncate` is false (Ollama's field): then it is a 400."""
     out, images = [], []
     unanswered: list[dict] = []  # the calls of the latest assistant message not answered yet
     for i, m in enumerate(messages):
@@ -198,7 +200,7 @@ def chat_input(messages: list[Message], think: bool | str | None, param: str = "
                 unanswered.remove(answered)
                 extra["tool_call_id"] = answered["id"]
         out.append(template_message(role, content, calls, m.thinking or "", **extra))
-    return ChatInput(out, images, thinking(think), fit_context=True)
+    return ChatInput(out, images, thinking(think), fit_context=truncate)
 
 
 def plan(prompt: ChatInput | str, body: ChatRequest | GenerateRequest, tools: list[ToolDefinition] | None,
@@ -327,7 +329,7 @@ class OllamaAPI:
         if not body.messages:
             return await self._load_or_unload(request, body.model, body.keep_alive, ChatOutput(body.model, 0.0))
         renderer = ChatOutput(body.model, request.scope["state"]["arrived"])
-        return await self.serving.respond(request, plan(chat_input(body.messages, body.think), body, body.tools,
+        return await self.serving.respond(request, plan(chat_input(body.messages, body.think, truncate=body.truncate), body, body.tools,
                                                         "messages"), renderer)
 
     async def generate(self, request: Request) -> Response:
@@ -352,7 +354,8 @@ class OllamaAPI:
             prompt = body.prompt
         else:
             messages = [Message("system", body.system)] if body.system else []
-            prompt = chat_input([*messages, Message("user", body.prompt, body.images)], body.think, "prompt")
+            prompt = chat_input([*messages, Message("user", body.prompt, body.images)], body.think, "prompt",
+                                body.truncate)
             prompt.untemplated = None if body.images else body.prompt
         renderer = GenerateOutput(body.model, request.scope["state"]["arrived"])
         return await self.serving.respond(request, plan(prompt, body, None, "prompt"), renderer)

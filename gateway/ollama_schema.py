@@ -82,6 +82,10 @@ class ChatRequest(msgspec.Struct):
     think: bool | str | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0  # the likeliest tokens beside each
+    # A conversation longer than the context loses its oldest turns (false: a 400 instead). Generation
+    # stops where the context ends, shift or not: nothing slides the window along.
+    truncate: bool = True
+    shift: bool = True
 
 
 class GenerateRequest(msgspec.Struct):
@@ -100,6 +104,10 @@ class GenerateRequest(msgspec.Struct):
     think: bool | str | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
+    # A conversation longer than the context loses its oldest turns (false: a 400 instead). Generation
+    # stops where the context ends, shift or not: nothing slides the window along.
+    truncate: bool = True
+    shift: bool = True
 
 
 class EmbedRequest(msgspec.Struct):

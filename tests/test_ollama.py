@@ -64,6 +64,9 @@ def test_a_chat_longer_than_the_context_loses_its_oldest_turns(client, server, r
     too_long = server.http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": history,
                                                                "max_tokens": 4})
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    not_cut = server.http.post("/api/chat", json={"model": MODEL_NAME, "messages": history, "truncate": False,
+                                                  "stream": False, "options": GREEDY})
+    assert not_cut.status_code == 400 and "context" in not_cut.json()["error"]
 
 
 def test_streamed_chat_is_the_same_text_in_ndjson_lines(client, server, reference):
