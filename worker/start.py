@@ -127,7 +127,10 @@ def serve(settings: WorkerSettings, *, audit: bool) -> int:
     if channel is not None:
         assert sharding is not None
         if loaded is None and not sharding.loaded:
-            channel.meet_load_barrier()
+            try:
+                channel.meet_load_barrier()
+            except RuntimeError:  # MLX's: another rank is gone too; this one's reason is all there is
+                return load_failed(settings, failure)
         mine = RankSetup(this_rank(channel.rank), rank_setup(loaded, settings) if loaded else {}, failure)
         setups = channel.gather(mine)
         if failed := [s for s in setups if s.failure]:  # every rank says why, rank 0 to the gateway
