@@ -69,7 +69,7 @@ class Admitted:
         try:
             release = self.admission.admit(scope["state"]["client_id"])
         except APIError as e:
-            return await error_response(scope["path"], e)(scope, receive, send)
+            return await error_response(scope, e)(scope, receive, send)
         try:
             await self.app(scope, receive, send)
         finally:

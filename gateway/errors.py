@@ -12,6 +12,7 @@ import msgspec
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Scope
 
 
 class APIError(Exception):
@@ -67,30 +68,34 @@ def anthropic_error_body(status: int, message: str) -> dict:
                                                                    "invalid_request_error"), "message": message}}
 
 
-def is_anthropic(path: str) -> bool:
-    return path.startswith("/v1/messages")
+def is_anthropic(scope: Scope) -> bool:
+    """Anthropic's API: its messages, and the models as its clients ask for them
+    (/v1/models is both APIs'; Anthropic's SDKs send anthropic-version)."""
+    path = scope["path"]
+    return path.startswith("/v1/messages") or path.startswith("/v1/models") and any(
+        name == b"anthropic-version" for name, _ in scope["headers"])
 
 
 def is_ollama(path: str) -> bool:
     return path.startswith("/api/")
 
 
-def error_payload(path: str, status: int, message: str, type: str, param=None, code=None) -> bytes:
-    """The error body in the dialect of the API that `path` belongs to (Ollama's is {"error": message})."""
-    if is_anthropic(path):
+def error_payload(scope: Scope, status: int, message: str, type: str, param=None, code=None) -> bytes:
+    """The error body in the dialect of the API the request is for (Ollama's is {"error": message})."""
+    if is_anthropic(scope):
         body = anthropic_error_body(status, message)
-    elif is_ollama(path):
+    elif is_ollama(scope["path"]):
         body = {"error": message}
     else:
         body = error_body(message, type, param, code)
     return msgspec.json.encode(body)
 
 
-def error_response(path: str, e: APIError) -> Response:
+def error_response(scope: Scope, e: APIError) -> Response:
     return Response(
-        error_payload(path, e.status, e.message, e.type, e.param, e.code),
+        error_payload(scope, e.status, e.message, e.type, e.param, e.code),
         # Anthropic says "overloaded" with a 529, which its SDKs raise as OverloadedError.
-        status_code=529 if e.status == 503 and is_anthropic(path) else e.status,
+        status_code=529 if e.status == 503 and is_anthropic(scope) else e.status,
         media_type="application/json",
         headers=e.headers,
     )
@@ -152,17 +157,17 @@ def invalid(error: msgspec.ValidationError, under: str = "") -> APIError:
 
 async def api_error_handler(request: Request, e: Exception) -> Response:
     assert isinstance(e, APIError)
-    return error_response(request.url.path, e)
+    return error_response(request.scope, e)
 
 
 async def http_error_handler(request: Request, e: Exception) -> Response:
     assert isinstance(e, HTTPException)
     return error_response(
-        request.url.path,
+        request.scope,
         APIError(e.status_code, str(e.detail), type=openai_error_type(e.status_code)),
     )
 
 
 async def internal_error_handler(request: Request, _e: Exception) -> Response:
     # Starlette re-raises the exception after this, and uvicorn logs it.
-    return error_response(request.url.path, APIError(500, "internal server error", type="server_error"))
+    return error_response(request.scope, APIError(500, "internal server error", type="server_error"))

@@ -17,7 +17,6 @@ import math
 import time
 import uuid
 from collections.abc import Sequence
-from datetime import datetime, timezone
 from typing import TypeVar
 
 import msgspec
@@ -62,7 +61,7 @@ from gateway.plan import (
     template_tool_call,
     tool_definitions,
 )
-from gateway.responses import NDJSON, MsgspecResponse, json_line
+from gateway.responses import NDJSON, MsgspecResponse, json_line, timestamp
 from gateway.security import keep_alive_for
 from gateway.serving import OLLAMA_DEFAULT_TAG, Choice, Serving, takes_tools
 
@@ -70,19 +69,6 @@ from gateway.serving import OLLAMA_DEFAULT_TAG, Choice, Serving, takes_tools
 OLLAMA_VERSION = "0.12.0"
 T = TypeVar("T")
 ROLES = ("system", "user", "assistant", "tool")
-NEVER = "9999-12-31T23:59:59.999999Z"  # when a model kept loaded for good unloads
-LAST_MOMENT = datetime.max.replace(tzinfo=timezone.utc).timestamp()
-
-
-def timestamp(at: float | None = None) -> str:
-    """RFC 3339 in UTC with its fraction of a second, as Ollama writes its times
-    (clients such as OllamaKit read no time without one); NEVER for a time past what it can write."""
-    if at is not None and not at < LAST_MOMENT:
-        return NEVER
-    moment = datetime.now(timezone.utc) if at is None else datetime.fromtimestamp(at, timezone.utc)
-    return moment.isoformat(timespec="microseconds").replace("+00:00", "Z")
-
-
 def nanoseconds(seconds: float) -> int:
     return max(0, int(seconds * 1e9))
 

@@ -64,7 +64,7 @@ from gateway.plan import (
     template_tool_call,
     tool_definitions,
 )
-from gateway.responses import SSE, MsgspecResponse, sse_event
+from gateway.responses import SSE, MsgspecResponse, sse_event, timestamp
 from gateway.serving import Choice, Serving
 
 DONE = b"data: [DONE]\n\n"
@@ -162,7 +162,9 @@ class OpenAIAPI:
         self.serving = serving
 
     async def models(self, _request: Request) -> Response:
-        return MsgspecResponse(ModelList([self._model(name, name) for name in self.serving.model_names()]))
+        models = [self._model(name, name) for name in self.serving.model_names()]
+        return MsgspecResponse(ModelList(models, first_id=models[0].id if models else None,
+                                         last_id=models[-1].id if models else None))
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
@@ -175,7 +177,8 @@ class OpenAIAPI:
         facts = self.serving.model_facts(served)
         return Model(id=name, created=self.serving.started, status=pool.status(served),
                      memory=ModelMemory(**charge.as_dict()) if charge else None, size=facts.size or None,
-                     quantization=facts.quantization or None, context_length=facts.context_length)
+                     quantization=facts.quantization or None, context_length=facts.context_length,
+                     display_name=name, created_at=timestamp(self.serving.started))
 
     async def chat_completions(self, request: Request) -> Response:
         body = decode_body(await self.serving.read_body(request), ChatCompletionRequest)

@@ -351,11 +351,19 @@ class Model(msgspec.Struct):
     size: int | None = None
     quantization: str | None = None
     context_length: int | None = None
+    # Anthropic's ModelInfo, beside OpenAI's fields: /v1/models is both APIs'.
+    type: str = "model"
+    display_name: str = ""
+    created_at: str = ""  # RFC 3339
 
 
 class ModelList(msgspec.Struct):
     data: list[Model]
     object: str = "list"
+    # Anthropic's page: every model is on the one page.
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
 
 
 # ---- embeddings ---------------------------------------------------------------

@@ -1,10 +1,12 @@
-"""The gateway's two response classes: a JSON body encoded by msgspec, and an SSE stream."""
+"""The gateway's two response classes: a JSON body encoded by msgspec, and an SSE stream;
+and the times and lines they carry."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterable
+from datetime import datetime, timezone
 from typing import Any
 
 import msgspec
@@ -15,6 +17,20 @@ log = logging.getLogger("mlxd.gateway.api")
 _encoder = msgspec.json.Encoder()
 SSE = "text/event-stream"
 NDJSON = "application/x-ndjson"
+
+NEVER = "9999-12-31T23:59:59.999999Z"  # the latest time `timestamp` writes (a model kept loaded for good)
+LAST_MOMENT = datetime.max.replace(tzinfo=timezone.utc).timestamp()
+
+
+def timestamp(at: float | None = None) -> str:
+    """RFC 3339 in UTC with its fraction of a second, as Ollama and Anthropic write
+    their times (clients such as OllamaKit read no time without one); NEVER for a
+    time past what it can write."""
+    if at is not None and not at < LAST_MOMENT:
+        return NEVER
+    moment = datetime.now(timezone.utc) if at is None else datetime.fromtimestamp(at, timezone.utc)
+    return moment.isoformat(timespec="microseconds").replace("+00:00", "Z")
+
 
 # JSON lets these stand unescaped inside a string, but many line readers
 # (httpx's iter_lines, Python's str.splitlines) end a line at them, cutting an

@@ -265,7 +265,7 @@ def cross_site(headers: dict[bytes, bytes]) -> bool:
 
 
 async def _reject(scope, send, status: int, message: str, code: str) -> None:
-    body = error_payload(scope["path"], status, message, "invalid_request_error", None, code)
+    body = error_payload(scope, status, message, "invalid_request_error", None, code)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))

@@ -313,3 +313,19 @@ def test_output_config_format_constrains_the_output_to_the_schema(client):
         assert set(json.loads(message.content[0].text)) == {"answer"}
     else:  # out of tokens mid-object: still a prefix the grammar allowed
         assert message.content[0].text.startswith('{"answer"')
+
+
+def test_models_are_listed_as_anthropic_s_sdk_reads_them(client, server):
+    """/v1/models is both APIs': an entry has Anthropic's ModelInfo fields beside OpenAI's, the list
+    Anthropic's page fields, and an unknown model is Anthropic's 404 when its SDK asks."""
+    page = client.models.list()
+    (model,) = page.data
+    assert (model.id, model.type, model.display_name) == (MODEL_NAME, "model", MODEL_NAME)
+    assert model.created_at.timestamp() > 0
+    assert (page.has_more, page.first_id, page.last_id) == (False, MODEL_NAME, MODEL_NAME)
+    assert client.models.retrieve(MODEL_NAME).display_name == MODEL_NAME
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"
+    openai_404 = server.http.get("/v1/models/no-such-model").json()  # no anthropic-version: OpenAI's shape
+    assert openai_404["error"]["code"] == "model_not_found"

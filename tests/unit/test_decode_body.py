@@ -31,9 +31,18 @@ def test_a_missing_field():
     assert error_of(b'{"messages": []}').status == 400
 
 
-def test_error_payloads_follow_the_api_of_the_path():
-    assert b'"type":"error"' in error_payload("/v1/messages", 404, "no", "not_found_error")
-    assert b'"param":null' in error_payload("/v1/chat/completions", 404, "no", "not_found_error")
+def scope(path: str, *headers: tuple[bytes, bytes]) -> dict:
+    return {"path": path, "headers": list(headers)}
+
+
+def test_error_payloads_follow_the_api_of_the_request():
+    assert b'"type":"error"' in error_payload(scope("/v1/messages"), 404, "no", "not_found_error")
+    assert b'"param":null' in error_payload(scope("/v1/chat/completions"), 404, "no", "not_found_error")
+    assert b'"error":"no"' in error_payload(scope("/api/chat"), 404, "no", "not_found_error")
+    # /v1/models is both APIs': Anthropic's SDKs say which with their version header.
+    assert b'"param":null' in error_payload(scope("/v1/models/x"), 404, "no", "not_found_error")
+    anthropic = scope("/v1/models/x", (b"anthropic-version", b"2023-06-01"))
+    assert b'"type":"error"' in error_payload(anthropic, 404, "no", "not_found_error")
 
 
 def test_openai_error_types_by_status():
