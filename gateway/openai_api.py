@@ -7,6 +7,7 @@ outputs below render its Deltas as OpenAI's SSE chunks or one body.
 from __future__ import annotations
 
 import abc
+import codecs
 import time
 import uuid
 from typing import cast
@@ -332,25 +333,28 @@ class CompletionOutput(_Output):
 
     def __init__(self, model: str, include_usage: bool) -> None:
         super().__init__(model, include_usage)
-        self._text_offsets: dict[int, int] = {}  # per choice: where its next streamed token's text begins
+        # Per choice: where its next token's text begins, and the bytes of a character begun and not ended.
+        self._text_offsets: dict[int, int] = {}
+        self._characters: dict[int, codecs.IncrementalDecoder] = {}
 
-    @staticmethod
-    def _logprobs(tokens: list[TokenInfo], offset: int = 0) -> CompletionLogprobs:
-        """`offset`: of the first token's text in the choice's whole text."""
+    def _logprobs(self, index: int, tokens: list[TokenInfo]) -> CompletionLogprobs:
+        """text_offset: where each token's text begins in the choice's text, counted over the tokens'
+        bytes: a token holding part of a character (its text reads U+FFFD) begins where the character does."""
+        characters = self._characters.setdefault(index, codecs.getincrementaldecoder("utf-8")("replace"))
+        offset = self._text_offsets.get(index, 0)
         offsets = []
         for t in tokens:
             offsets.append(offset)
-            offset += len(t.text)
+            offset += len(characters.decode(t.raw))
+        self._text_offsets[index] = offset
         return CompletionLogprobs(
             [t.text for t in tokens], [t.logprob for t in tokens], [{alt: lp for alt, _, lp in t.top} for t in tokens],
             offsets
         )
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, logprobs: list[TokenInfo]):
-        offset = self._text_offsets.get(index, 0)
-        self._text_offsets[index] = offset + sum(len(t.text) for t in logprobs)
         return Completion(self.id, "text_completion", self.created, self.model, [
-            CompletionChoice(index, text or "", finish_reason, self._logprobs(logprobs, offset) if logprobs else None)
+            CompletionChoice(index, text or "", finish_reason, self._logprobs(index, logprobs) if logprobs else None)
         ])
 
     def usage_chunk(self, usage: Usage) -> Completion:
@@ -358,6 +362,6 @@ class CompletionOutput(_Output):
 
     def response(self, choices: list[Choice], usage: Usage) -> Completion:
         return Completion(self.id, "text_completion", self.created, self.model, [
-            CompletionChoice(i, c.text, c.finish_reason, self._logprobs(c.logprobs) if c.logprobs else None)
+            CompletionChoice(i, c.text, c.finish_reason, self._logprobs(i, c.logprobs) if c.logprobs else None)
             for i, c in enumerate(choices)
         ], usage)

@@ -38,6 +38,9 @@ class TokenInfo:
     raw: bytes  # the token's own bytes (its text may read U+FFFD for part of a character)
     logprob: float
     top: list[tuple[str, bytes, float]]  # the likeliest tokens: text, bytes, logprob
+    # The characters of text its step released (0 while the detokenizer holds its text back for the next
+    # token's): its logprobs go out once the stop strings' matcher has released those too.
+    chars: int = 0
 
 
 @dataclass(slots=True)
@@ -96,6 +99,10 @@ class RequestState:
         self.reasoning_tokens = 0  # generated inside the reasoning block, its markers included
         self._held_tokens = 0  # of the latest steps the parser held back whole (counted once it is known what they are)
         self._held_logprobs: list[TokenInfo] = []  # theirs: the content's only if they turn out to be text
+        # Tokens whose text the stop strings' matcher still holds, and what it released of the first's:
+        # a token's logprobs go out with its text, and none of a stop string's.
+        self._unreleased: list[TokenInfo] = []
+        self._released_chars = 0
         self.first_token_at: float | None = None  # time.monotonic() of its first token (Ollama's durations)
         # The weights it runs on (Hello.model_digest): it resumes only on the same.
         self.model_digest = ""
@@ -122,9 +129,14 @@ class RequestState:
         if output.finish_reason == "stop":
             token_ids = token_ids[:-1]
         final = output.finish_reason is not None
-        text = self._detokenizer.add(token_ids)
+        # With logprobs, token by token: what text each completes.
+        pieces = [self._detokenizer.add([t]) for t in token_ids] if output.logprobs else []
+        text = "".join(pieces) if output.logprobs else self._detokenizer.add(token_ids)
         if final:
-            text += self._detokenizer.flush()
+            flushed = self._detokenizer.flush()
+            text += flushed
+            if pieces:
+                pieces[-1] += flushed
         text, stop = self._stops.feed(text, final)
         ended = final or stop is not None
         if ended:
@@ -132,7 +144,8 @@ class RequestState:
         reasoning = ""
         calls: list[ToolCall] = []
         # OpenAI's logprobs are the message content's: not the reasoning's, nor a tool call's markup.
-        logprobs = self._token_infos(token_ids, output.logprobs) if output.logprobs else []
+        logprobs = self._released(self._token_infos(token_ids, output.logprobs, pieces), len(text), ended) \
+            if output.logprobs else []
         if self._parser is not None:
             thinking = self._parser.reasoning
             reasoning, text, calls = self._parser.feed(text, ended)
@@ -152,13 +165,27 @@ class RequestState:
             finish = "tool_calls"
         return Delta(text, self.index, reasoning, calls, finish, stop, logprobs)
 
-    def _token_infos(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> list[TokenInfo]:
+    def _token_infos(self, token_ids: list[int], logprobs: list[TokenLogprob], pieces: list[str]) -> list[TokenInfo]:
         text, raw = self._tokenizer.token_text, self._tokenizer.token_bytes
         return [
             TokenInfo(text(t), raw(t), lp.logprob,
-                      [(text(a), raw(a), alp) for a, alp in zip(lp.top_ids, lp.top_logprobs)])
-            for t, lp in zip(token_ids, logprobs)
+                      [(text(a), raw(a), alp) for a, alp in zip(lp.top_ids, lp.top_logprobs)], len(piece))
+            for t, lp, piece in zip(token_ids, logprobs, pieces)
         ]
+
+    def _released(self, infos: list[TokenInfo], released_chars: int, ended: bool) -> list[TokenInfo]:
+        """The tokens whose text the stop strings' matcher has now released
+        whole (`released_chars` more characters); at the end, none of those
+        it never released (a stop string's, and what came after it)."""
+        self._unreleased += infos
+        self._released_chars += released_chars
+        out = []
+        while self._unreleased and self._unreleased[0].chars <= self._released_chars:
+            self._released_chars -= self._unreleased[0].chars
+            out.append(self._unreleased.pop(0))
+        if ended:
+            self._unreleased, self._released_chars = [], 0
+        return out
 
     @property
     def wire_id(self) -> str:

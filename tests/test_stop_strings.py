@@ -38,6 +38,30 @@ def case(reference):
     return stop, expected.text[:at]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_are_those_of_the_text_before_the_stop_string(server, reference, case, stream):
+    """The tokens whose text is whole before the stop string: a stop string's tokens were given too."""
+    stop, expected_text = case
+    expected = reference.greedy(reference.text_prompt(PROMPT), MAX_TOKENS)
+    whole = [t for i, t in enumerate(expected.token_ids)
+             if len(reference.decode(expected.token_ids[:i + 1])) <= len(expected_text)]
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stop": stop,
+            "logprobs": 1, "stream": stream}
+    if stream:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+            choices = [json.loads(line[6:])["choices"] for line in r.iter_lines()
+                       if line.startswith("data: ") and line != "data: [DONE]"]
+        parts = [c[0] for c in choices if c]
+    else:
+        parts = server.http.post("/v1/completions", json=body).json()["choices"]
+    text = "".join(p["text"] for p in parts)
+    tokens = [t for p in parts if p["logprobs"] for t in p["logprobs"]["tokens"]]
+    offsets = [o for p in parts if p["logprobs"] for o in p["logprobs"]["text_offset"]]
+    assert text == expected_text
+    assert tokens == [reference.decode([t]) for t in whole]
+    assert offsets == sorted(offsets) and all(offset < len(text) for offset in offsets)
+
+
 def test_stop_string_non_streaming(server, case):
     stop, expected_text = case
     body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stop": stop}
