@@ -279,7 +279,9 @@ class MessageOutput:
         if error is not None:
             return [event("error", anthropic_error_body(error.status, error.message))]
         reason, sequence = stop_reason(*self._finish, self._calls, self._context_bound(group))
-        return [*self._blocks.close(ensure_one=True),
+        # An answer of whitespace alone is that text block, as in the whole message.
+        alone = self._blocks.text(self._held) if self._held and self._blocks.index < 0 else []
+        return [*alone, *self._blocks.close(ensure_one=True),
                 event("message_delta", {"type": "message_delta",
                                         "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                         "usage": msgspec.to_builtins(usage(group))}),

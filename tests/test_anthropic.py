@@ -8,7 +8,8 @@ import anthropic
 import httpx
 import pytest
 
-from tests.conftest import MODEL_NAME
+from tests.conftest import MODEL_NAME, Server
+from tests.scripted_model import make_scripted_model
 from tests.test_stop_strings import spanning_stop
 
 MESSAGES = [{"role": "user", "content": "Hello there"}]
@@ -329,3 +330,19 @@ def test_models_are_listed_as_anthropic_s_sdk_reads_them(client, server):
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"
     openai_404 = server.http.get("/v1/models/no-such-model").json()  # no anthropic-version: OpenAI's shape
     assert openai_404["error"]["code"] == "model_not_found"
+
+
+def test_an_answer_of_whitespace_alone_is_the_same_streamed(tmp_path):
+    """Streamed, the whitespace was held for the text after it, none came, and the text block came empty."""
+    path = make_scripted_model(tmp_path / "model", ["\n\n"])
+    server = Server(["serve", "--model", str(path), "--served-model-name", "blank"], tmp_path / "serve.log")
+    try:
+        server.wait_ready()
+        client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+        body = dict(model="blank", max_tokens=8, messages=[{"role": "user", "content": "Hi"}], extra_body=GREEDY)
+        whole = client.messages.create(**body)
+        with client.messages.stream(**body) as stream:
+            streamed = stream.get_final_message()
+    finally:
+        server.stop()
+    assert [b.text for b in whole.content] == [b.text for b in streamed.content] == ["\n\n"]
