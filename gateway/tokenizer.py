@@ -325,11 +325,13 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """One token's text as it reads inside a text (logprobs' tokens): a
         SentencePiece tokenizer decodes a word's token alone without its
-        leading space, so it is decoded after a plain letter and that is taken off."""
+        leading space, so it is decoded after a plain letter and that is taken off.
+        A special token reads as itself (`<|im_end|>`): an empty string among
+        the likeliest tokens would not say that the model weighed ending there."""
         anchor = self.rust.token_to_id("a")
         if anchor is None:
-            return self.decode([token_id])
-        return self.decode([anchor, token_id]).removeprefix(self.decode([anchor]))
+            return self.decode([token_id], False)
+        return self.decode([anchor, token_id], False).removeprefix(self.decode([anchor], False))
 
     def token_bytes(self, token_id: int) -> bytes:
         """One token's bytes (logprobs' `bytes`): its text's, unless it holds

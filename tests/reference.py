@@ -39,6 +39,11 @@ class Reference:
             token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
 
+    def token_text(self, token_id: int) -> str:
+        """A token as logprobs name it: a special token as itself (`<|im_end|>`)."""
+        return self.tokenizer._tokenizer.decode([token_id], skip_special_tokens=False,
+                                                clean_up_tokenization_spaces=False)
+
     def greedy(self, prompt: list[int], max_tokens: int, ignore_eos: bool = False, processors=None) -> Expected:
         tokens: list[int] = []
         finish = "length"
