@@ -90,7 +90,8 @@ class Metrics:
             lines += [f'mlxd_memory_charged_bytes{{model="{label(name)}",part="{part}"}} {value}'
                       for name, model in ledger["models"].items()
                       for part, value in model.get("memory", {}).items() if part not in ("total", "here")]
-            lines += ["# HELP mlxd_model_loaded Whether a model is loaded (1), loading (0.5), or unloading or unloaded (0).",
+            lines += ["# HELP mlxd_model_loaded Whether a model is loaded (1), loading (0.5), "
+                      "or unloading or unloaded (0).",
                       "# TYPE mlxd_model_loaded gauge"]
             lines += [f'mlxd_model_loaded{{model="{label(name)}"}} {LOADED[model["status"]]}'
                       for name, model in ledger["models"].items()]

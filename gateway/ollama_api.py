@@ -315,8 +315,8 @@ class OllamaAPI:
         if not body.messages:
             return await self._load_or_unload(request, body.model, body.keep_alive, ChatOutput(body.model, 0.0))
         renderer = ChatOutput(body.model, request.scope["state"]["arrived"])
-        return await self.serving.respond(request, plan(chat_input(body.messages, body.think, truncate=body.truncate), body, body.tools,
-                                                        "messages"), renderer)
+        prompt = chat_input(body.messages, body.think, truncate=body.truncate)
+        return await self.serving.respond(request, plan(prompt, body, body.tools, "messages"), renderer)
 
     async def generate(self, request: Request) -> Response:
         body = decode_ollama(await self.serving.read_body(request), GenerateRequest)
