@@ -35,6 +35,7 @@ from gateway.ollama_schema import (
     EmbedRequest,
     GenerateChunk,
     GenerateRequest,
+    GenerationRequest,
     Logprob,
     Message,
     ModelEntry,
@@ -189,7 +190,7 @@ def chat_input(messages: list[Message], think: bool | str | None, param: str = "
     return ChatInput(out, images, thinking(think), fit_context=truncate)
 
 
-def plan(prompt: ChatInput | str, body: ChatRequest | GenerateRequest, tools: list[ToolDefinition] | None,
+def plan(prompt: ChatInput | str, body: GenerationRequest, tools: list[ToolDefinition] | None,
          param: str) -> Plan:
     params, stops, max_tokens = sampling(body.options, body.top_logprobs if body.logprobs else None)
     model, fmt, stream, keep_alive, think = body.model, body.format, body.stream, body.keep_alive, body.think

@@ -71,10 +71,10 @@ class ToolDefinition(msgspec.Struct):
     type: Literal["function"] = "function"
 
 
-class ChatRequest(msgspec.Struct):
+class GenerationRequest(msgspec.Struct):
+    """What /api/chat and /api/generate both take."""
+
     model: Annotated[str, Meta(min_length=1)]
-    messages: list[Message] = []
-    tools: list[ToolDefinition] | None = None
     format: str | dict[str, Any] | None = None  # "json", or a JSON schema
     options: Options | None = None
     stream: bool = True
@@ -88,8 +88,12 @@ class ChatRequest(msgspec.Struct):
     shift: bool = True
 
 
-class GenerateRequest(msgspec.Struct):
-    model: Annotated[str, Meta(min_length=1)]
+class ChatRequest(GenerationRequest):
+    messages: list[Message] = []
+    tools: list[ToolDefinition] | None = None
+
+
+class GenerateRequest(GenerationRequest):
     prompt: str = ""
     suffix: str | None = None
     system: str | None = None
@@ -97,17 +101,6 @@ class GenerateRequest(msgspec.Struct):
     context: list[int] | None = None
     raw: bool = False
     images: list[str] | None = None
-    format: str | dict[str, Any] | None = None
-    options: Options | None = None
-    stream: bool = True
-    keep_alive: KeepAlive = None
-    think: bool | str | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
-    # A conversation longer than the context loses its oldest turns (false: a 400 instead). Generation
-    # stops where the context ends, shift or not: nothing slides the window along.
-    truncate: bool = True
-    shift: bool = True
 
 
 class EmbedRequest(msgspec.Struct):
