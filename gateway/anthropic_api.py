@@ -176,6 +176,7 @@ def messages_plan(body: MessagesRequest) -> Plan:
         max_tokens=body.max_tokens,
         tools=tools(body),
         force_tool_call=isinstance(choice, (ToolChoiceAny, ToolChoiceTool)),
+        strict_tools=any(t.strict for t in body.tools or []),
         parallel_tool_calls=choice is None or isinstance(choice, ToolChoiceNone)
         or not choice.disable_parallel_tool_use,
         json_output=output_format is not None,

@@ -178,10 +178,10 @@ class Tool(msgspec.Struct, forbid_unknown_fields=True):
     cache_control: CacheControl | None = None
     # Extension (Ollama's): how long the model stays loaded once idle.
     keep_alive: KeepAlive = None
-    # Ignored: the model sees every tool up front, and calls are checked only
-    # as the grammar of a forced tool choice checks them.
-    defer_loading: bool | None = None
+    # True: the model's calls of it (any tool's, with tool_choice auto) follow their schemas (a grammar).
     strict: bool | None = None
+    # Ignored: the model sees every tool up front.
+    defer_loading: bool | None = None
     input_examples: list[dict[str, Any]] | None = None
     allowed_callers: list[str] | None = None
     eager_input_streaming: bool | None = None

@@ -132,6 +132,7 @@ def chat_plan(body: ChatCompletionRequest) -> Plan:
         max_tokens_param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
         tools=tools,
         force_tool_call=choice == "required" or isinstance(choice, NamedToolChoice),
+        strict_tools=any(t.function.strict for t in body.tools or []),
         parallel_tool_calls=body.parallel_tool_calls is not False,
         json_output=isinstance(body.response_format, (ResponseFormatJSONObject, ResponseFormatJSONSchema)),
         json_schema=spec.schema if spec is not None else None,

@@ -305,6 +305,7 @@ def responses_plan(body: CreateResponse, previous: StoredResponse | None, offere
         messages_param="input",
         tools=tools,
         force_tool_call=choice == "required" or not isinstance(choice, str),
+        strict_tools=any(t.get("strict") is True for t in offered),
         parallel_tool_calls=body.parallel_tool_calls is not False,
         json_output=isinstance(text_format, (ResponseFormatJSONObject, TextFormatJSONSchema)),
         json_schema=text_format.schema if isinstance(text_format, TextFormatJSONSchema) else None,

@@ -19,7 +19,7 @@ from gateway.errors import APIError
 from gateway.images import ImageSource
 from gateway.parsing import arguments_object
 from gateway.sampling_defaults import SamplingDefaults
-from gateway.structured import Thinking, answer_grammar, json_schema_grammar, named_tool
+from gateway.structured import OPENING, Thinking, answer_grammar, json_schema_grammar, named_tool
 from protocol import Sampling
 from protocol.units import parse_duration
 
@@ -113,6 +113,8 @@ class Plan:
     max_tokens_param: str = "max_tokens"
     tools: list[dict] | None = None  # in OpenAI's function shape, narrowed by the tool choice
     force_tool_call: bool = False  # the output must be a call of one of `tools`
+    # A tool asked for strict calls: under tool_choice auto, the model's calls follow their schemas too.
+    strict_tools: bool = False
     parallel_tool_calls: bool = True  # False: only a choice's first call is returned
     json_output: bool = False  # the output must be JSON ...
     json_schema: dict | None = None  # ... following this schema, when there is one
@@ -135,13 +137,18 @@ class Plan:
         model's tool-call format, `tool_family`; None: one with no grammar;
         `tokens`: the model's added tokens), JSON, or beside tools the model
         may call, JSON or a call (an agent asked for a typed final answer);
-        after the model's reasoning, where it has a block for it (`thinking`)."""
+        after the model's reasoning, where it has a block for it (`thinking`);
+        or, for strict tools, text or calls that follow their schemas (where
+        the format has an opening for a call: not Llama 3's bare JSON)."""
         if self.force_tool_call and self.tools:  # a call is the answer, whatever the response_format
             if tool_family is None:
                 raise APIError(400, "a forced tool_choice is not supported for this model's tool-call format; "
                                "use tool_choice auto", param="tool_choice")
             return answer_grammar(self.tools, tool_family, tokens, thinking=thinking)
         if not self.json_output:
+            if self.strict_tools and self.tools and tool_family in OPENING:
+                return answer_grammar(self.tools, tool_family, tokens, thinking=thinking, prose=True,
+                                      several=self.parallel_tool_calls)
             return None
         answer = self.json_schema or {"type": "object"}
         if self.calls_beside_json(tool_family):

@@ -213,6 +213,12 @@ TAGGED = {
 }
 # Formats whose call is one JSON object naming the tool, between fixed markers.
 AROUND = {"hermes": ("<tool_call>\n", "\n</tool_call>"), "mistral": ("[TOOL_CALLS]", ""), "llama3": ("", "")}
+# The text that opens every call of a format, as its parser looks for it, where the format has one: text
+# before it is the model's prose. (Llama 3's calls are bare JSON; Harmony's answer is all channels.)
+OPENING = {"hermes": "<tool_call>", "qwen3_coder": "<tool_call>", "glm47": "<tool_call>",
+           "minimax_m2": "<minimax:tool_call>", "kimi_k2": "<|tool_calls_section_begin|>", "mistral": "[TOOL_CALLS]"}
+# Mistral's one opening precedes a list of calls, which its grammar holds to one.
+ONE_OPENING = {"mistral"}
 # mlx-lm's parser names (gateway/tool_formats.py) for the formats above.
 FAMILY_OF_PARSER = {"json_tools": "hermes", "mistral": "mistral", **{name: name for name in [*JSON_BODY, *TAGGED]}}
 
@@ -259,7 +265,8 @@ def _tagged_value(schema: dict | bool, close: str, tokens: Mapping[str, int], de
     return f"{_arguments({**schema, **definitions})} {_text(close, tokens)}"
 
 
-def _tagged_call(tool: dict, family: str, tokens: Mapping[str, int], lazy: dict[tuple[str, str], str]) -> str:
+def _tagged_call(tool: dict, family: str, tokens: Mapping[str, int], lazy: dict[tuple[str, str], str],
+                 opened: str) -> str:
     """A call with each required argument, and each optional one or not, in the schema's order."""
     call_open, arg_open, arg_close, call_close = TAGGED[family]
     function = tool["function"]
@@ -279,19 +286,27 @@ def _tagged_call(tool: dict, family: str, tokens: Mapping[str, int], lazy: dict[
         value_rule = _tagged_value(value, arg_close, tokens, _definitions(schema), lazy)
         argument = f"{_text(arg_open.format(key=key), tokens)} {value_rule}"
         arguments.append(argument if key in required else f"({argument})?")
-    return " ".join([_text(call_open.format(name=function["name"]), tokens), *arguments,
+    return " ".join([_after(call_open.format(name=function["name"]), opened, tokens), *arguments,
                      _text(call_close, tokens)])
 
 
-def _call_rule(tool: dict, family: str, tokens: Mapping[str, int], lazy: dict[tuple[str, str], str]) -> str:
-    """The lark rule for one call of `tool` in `family`'s format."""
+def _after(text: str, opened: str, tokens: Mapping[str, int]) -> str:
+    """Fixed text that begins a call, less the opening already written before it."""
+    assert text.startswith(opened)
+    return _text(text[len(opened):], tokens)
+
+
+def _call_rule(tool: dict, family: str, tokens: Mapping[str, int], lazy: dict[tuple[str, str], str],
+               opened: str = "") -> str:
+    """The lark rule for one call of `tool` in `family`'s format; `opened`: the
+    call's opening (OPENING), where the text before it has written it."""
     name, parameters = tool["function"]["name"], tool["function"].get("parameters")
     if family in TAGGED:
-        return _tagged_call(tool, family, tokens, lazy)
+        return _tagged_call(tool, family, tokens, lazy, opened)
     if family in JSON_BODY:
         header, end = JSON_BODY[family]
         before, numbered, after = header.format(name=name, index="\0").partition("\0")
-        header_rule = " ".join(part for part in (_text(before, tokens), "/[0-9]+/" if numbered else "",
+        header_rule = " ".join(part for part in (_after(before, opened, tokens), "/[0-9]+/" if numbered else "",
                                                  _text(after, tokens)) if part)
         return f"{header_rule} {_arguments(parameters)} {_text(end, tokens)}"
     schema = _call_schema(tool, "parameters" if family == "llama3" else "arguments",
@@ -300,7 +315,7 @@ def _call_rule(tool: dict, family: str, tokens: Mapping[str, int], lazy: dict[tu
         inner = {k: v for k, v in schema.items() if k not in DEFINITIONS}
         schema = {"type": "array", "items": inner, "minItems": 1, "maxItems": 1, **_definitions(schema)}
     before, after = AROUND[family]
-    return f"{_text(before, tokens)} {_arguments(schema)} {_text(after, tokens)}"
+    return f"{_after(before, opened, tokens)} {_arguments(schema)} {_text(after, tokens)}"
 
 
 @dataclass(frozen=True)
@@ -316,32 +331,52 @@ class Thinking:
 def answer_grammar(tools: list[dict], family: str, tokens: Mapping[str, int] | None = None,
                    param: str = "tool_choice", answer_schema: dict | None = None,
                    answer_param: str = "response_format", strict: bool = False,
-                   thinking: Thinking | None = None) -> str:
+                   thinking: Thinking | None = None, prose: bool = False, several: bool = False) -> str:
     """Output that is exactly one call of one of `tools`, in the model's own
     tool-call format (one of FAMILY_OF_PARSER's values); `tokens`: the model's
     added tokens, by text. With `answer_schema` (a JSON response_format, beside
     tools the model may call or alone), that JSON answer instead of a call is
     allowed too (`answer_param`: the body's name for it, for errors). With
-    `thinking`, a reasoning block first (optional unless the prompt opened it),
-    then whitespace."""
+    `prose` (a format of OPENING's), text instead, or text and then the call;
+    with `several` besides, more calls after it (where the format's opening
+    comes once a call). With `thinking`, a reasoning block first (optional
+    unless the prompt opened it), then whitespace."""
     _bounded(tools, "tools")
     tokens = tokens or {}
-    lazy: dict[tuple[str, str], str] = {}  # the tagged formats' text values, the reasoning
-    rules = [_call_rule(tool, family, tokens, lazy) for tool in tools]
+    lazy: dict[tuple[str, str], str] = {}  # the tagged formats' text values, the reasoning, the prose
+    rules = {f"choice{i}": _call_rule(tool, family, tokens, lazy) for i, tool in enumerate(tools)}
     if answer_schema is not None:
         _bounded(answer_schema, answer_param)
-        rules.append(f"%json {json.dumps(_compact(answer_schema, strict))}")
+        rules["choice_json"] = f"%json {json.dumps(_compact(answer_schema, strict))}"
+    answer = " | ".join(rules)
+    prose_token, more = "", ""
+    if prose:
+        opening = OPENING[family]
+        rules |= {f"opened{i}": _call_rule(tool, family, tokens, lazy, opening) for i, tool in enumerate(tools)}
+        opened = " | ".join(f"opened{i}" for i in range(len(tools)))
+        more = " (SPACE? call)*" if several and family not in ONE_OPENING else ""
+        answer = f"PROSE | {_prose_then(opening, tokens, lazy)} ({opened}){more}"
+        rules["call"] = " | ".join(f"choice{i}" for i in range(len(tools)))
+        # Text that holds no opening, in whatever tokens the model writes it: a call is never read
+        # from text the grammar did not hold.
+        prose_token = f"PROSE: /(?s:.*)/ & ~/(?s:.*){re.escape(opening)}(?s:.*)/\n"
     start = "answer"
     if thinking is not None:
         thought = _raw_text("(?s:.*)", thinking.close, tokens, lazy)
         block = thought if thinking.opened else f"({_text(thinking.open, tokens)} {thought})?"
         start = f"{block} SPACE? answer"
-    lark = (f"start: {start}\nanswer: " + " | ".join(f"choice{i}" for i in range(len(rules))) + "\n"
-            + "".join(f"choice{i}: {rule}\n" for i, rule in enumerate(rules)) + _lazy_rules(lazy)
-            + ("SPACE: /[ \\t\\r\\n]+/\n" if thinking is not None else ""))
+    lark = (f"start: {start}\nanswer: {answer}\n" + "".join(f"{name}: {rule}\n" for name, rule in rules.items())
+            + _lazy_rules(lazy) + prose_token + ("SPACE: /[ \\t\\r\\n]+/\n" if thinking or more else ""))
     try:
         return _validated(llguidance.LLMatcher.grammar_from_lark(lark), param)
     except APIError:
         if answer_schema is not None:  # the answer's own 400 where it is the cause, naming its parameter
             json_schema_grammar(answer_schema, answer_param, strict=strict)
         raise
+
+
+def _prose_then(opening: str, tokens: Mapping[str, int], lazy: dict[tuple[str, str], str]) -> str:
+    """The model's text up to a call, and the call's opening."""
+    if _pieces(opening, tokens)[0][1] is not None:  # an added token: no text holds it
+        return f"PROSE {_text(opening, tokens)}"
+    return _raw_text("(?s:.*)", opening, tokens, lazy)

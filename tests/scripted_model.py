@@ -42,13 +42,16 @@ AFTER_TOOL = "{% if messages | selectattr('role', 'equalto', 'tool') | list %}" 
 
 def make_scripted_model(path: Path, script: list[str], markers: str = "<tool_call>",
                         after_tool: Sequence[str] = (), context: int = 1024, special: Sequence[str] = (),
-                        template: str = TEMPLATE) -> Path:
+                        template: str = TEMPLATE, second: dict[str, str] | None = None) -> Path:
     """special: tokens added as special tokens (as a format's markers often are), script pieces or not;
-    template: a chat template in TEMPLATE's shape (it ends the prompt on the same token)."""
+    template: a chat template in TEMPLATE's shape (it ends the prompt on the same token); second: a
+    script piece's second choice, which greedy decoding takes where a grammar refuses the piece, and
+    which the script goes on from as from the piece."""
     path.mkdir(parents=True, exist_ok=True)
+    second = second or {}
     tok = train_tokenizer()
     tok.add_special_tokens([AddedToken(word, normalized=False, special=True) for word in special])
-    words = [*script, *after_tool] + ([AFTER_TOOL_TRIGGER] if after_tool else [])
+    words = [*script, *after_tool] + ([AFTER_TOOL_TRIGGER] if after_tool else []) + list(second.values())
     tok.add_tokens([AddedToken(word, normalized=False, special=False) for word in words if word not in special])
     ids = [tok.token_to_id(word) for word in words]
     assert None not in ids and len(set(ids)) == len(ids), "script pieces must be distinct tokens"
@@ -86,6 +89,10 @@ def make_scripted_model(path: Path, script: list[str], markers: str = "<tool_cal
     rows = mx.array(list(successor.values()))
     cols = mx.array(list(successor.keys()))
     head[rows, cols] = 1.0
+    for piece, alternative in second.items():
+        at, alt = script.index(piece), tok.token_to_id(alternative)
+        head[alt, [trigger, *pieces][at]] = 0.5
+        head[successor[pieces[at]], alt] = 1.0
     weights["lm_head.weight"] = head
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     return path

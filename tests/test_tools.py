@@ -61,12 +61,16 @@ SCRIPTS = {
                                                  "functions.get_weather:0", "<|tool_call_argument_begin|>",
                                                  json.dumps(CALL["arguments"]), "<|tool_call_end|>",
                                                  "<|tool_calls_section_end|>"]),
+    # A call whose "unit" breaks its tool's schema, with a second choice that keeps to it (SECOND).
+    "hermes-unit": ("<tool_call>", ["Let me check.", "<tool_call>", '\n{"name": "get_weather", "arguments": {"unit": "',
+                                    "K", '"}}\n', "</tool_call>"]),
     "pythonic": ("<|tool_call_start|>", ["<|tool_call_start|>", '[get_weather(city="Paris")]', "<|tool_call_end|>"]),
     "function_gemma": ("<start_function_call>", ["<start_function_call>",
                                                  "call:get_weather{city:<escape>Paris<escape>}",
                                                  "<end_function_call>"]),
 }
 
+SECOND = {"hermes-unit": {"K": "C"}}
 
 # A template that renders calls' ids and tool results' (as Kimi's and Mistral's do); with
 # STRICT, it refuses an id that is not nine characters long, as Mistral's do.
@@ -88,7 +92,7 @@ def scripted(tmp_path_factory):
             family, template = ID_TEMPLATES.get(name, (name, TEMPLATE))
             markers, script = SCRIPTS[family] if family in SCRIPTS else (" ".join(HARMONY_MARKERS), HARMONY[family])
             path = make_scripted_model(tmp_path_factory.mktemp(name) / "model", script, markers,
-                                       special=HARMONY_MARKERS, template=template)
+                                       special=HARMONY_MARKERS, template=template, second=SECOND.get(name))
             servers[name] = Server(["serve", "--model", str(path), "--served-model-name", "scripted"],
                                    path.parent / "serve.log")
             servers[name].wait_ready()
@@ -319,6 +323,31 @@ def test_anthropic_tool_use(scripted):
     ])
     prompt_tokens = [m.usage.input_tokens + m.usage.cache_read_input_tokens for m in (message, follow_up)]
     assert prompt_tokens[1] > prompt_tokens[0] + 5
+
+
+def test_strict_tools_hold_the_models_own_calls_to_their_schemas(scripted):
+    """With tool_choice auto, a tool marked strict (each API's `strict: true`)
+    gets calls that follow its schema: the scripted model writes "K", which
+    the tool's enum does not hold, and its second choice "C" where a grammar
+    refuses "K". Its text before the call stays as it is."""
+    parameters = {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}}, "required": ["unit"],
+                  "additionalProperties": False}
+    tool = {"name": "get_weather", "description": "Weather in a city", "parameters": parameters}
+    server = scripted("hermes-unit")
+    client = openai_client(server)
+    for strict, unit in [(None, "K"), (False, "K"), (True, "C")]:
+        tools = [{"type": "function", "function": {**tool, **({} if strict is None else {"strict": strict})}}]
+        whole = client.chat.completions.create(model="scripted", messages=ASK, tools=tools, temperature=0)
+        assert whole.choices[0].message.content == "Let me check."
+        assert calls_of(whole.choices[0].message) == [("get_weather", {"unit": unit})]
+        assert streamed(client, messages=ASK, tools=tools, temperature=0)[2] == [("get_weather", {"unit": unit})]
+    message = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0).messages.create(
+        model="scripted", max_tokens=32, messages=ASK, extra_body={"temperature": 0}, tools=[
+            {"name": "get_weather", "input_schema": parameters, "strict": True}])
+    assert [(b.type, getattr(b, "input", None)) for b in message.content] == [("text", None), ("tool_use", {"unit": "C"})]
+    response = client.responses.create(model="scripted", input="Weather in Paris?", temperature=0,
+                                       tools=[{"type": "function", **tool, "strict": True}])
+    assert [json.loads(item.arguments) for item in response.output if item.type == "function_call"] == [{"unit": "C"}]
 
 
 def test_blocks_come_in_their_order_whole_or_streamed(scripted):

@@ -10,7 +10,7 @@ from tokenizers import AddedToken
 
 from gateway.errors import APIError
 from gateway.parsing import HarmonyParser, ToolCallParser
-from gateway.structured import TAGGED, Thinking, answer_grammar, json_schema_grammar
+from gateway.structured import OPENING, TAGGED, Thinking, answer_grammar, json_schema_grammar
 from gateway.tool_formats import load_tool_format
 from tests.tiny_model import train_tokenizer
 
@@ -237,6 +237,29 @@ def test_beside_a_json_answer_a_call_is_allowed_too(tokenizer, family):
     assert accepts(tokenizer, grammar, '{"answer": "sunny"}')
     assert not accepts(tokenizer, grammar, '{"city": "sunny"}')
     assert not accepts(tokenizer, grammar, "It is sunny.")
+
+
+@pytest.mark.parametrize("family, markers", [(family, markers) for family in sorted(OPENING)
+                                             for markers in ("added", "plain") if family != "kimi_k2" or markers == "added"])
+def test_strict_tools_leave_the_model_its_text_and_hold_its_calls(tokenizer, family, markers):
+    """Strict tools with tool_choice auto: text, or text and then calls that
+    follow their schemas; never text the parser would read as a call the
+    grammar did not hold, nor text after the calls (the call's opening as the
+    model's own token, or written as text by a tokenizer that has none)."""
+    tok = tokenizer if markers == "added" else train_tokenizer()  # Kimi's markers are always special tokens
+    tokens = {token.content: token_id for token_id, token in tok.get_added_tokens_decoder().items()}
+    several, one = (answer_grammar([TOOL], family, tokens, prose=True, several=several) for several in (True, False))
+    parser_name, call = CALLS[family]
+    for text in ["", "It is sunny.", "a < b", call, "Let me check. " + call]:
+        assert accepts(tok, several, text) and accepts(tok, one, text)
+    assert parsed(family, parser_name, "Let me check. " + call) == [("get_weather", ARGUMENTS)]
+    for text in [call.replace("3", '"three"', 1), "Let me check. " + call.replace("3", '"three"', 1),
+                 call + " Done.", f"It is {OPENING[family]} sunny."]:
+        assert not accepts(tok, several, text)
+    assert not accepts(tok, one, call + "\n" + call)
+    if family != "mistral":  # its one opening starts a list of calls
+        assert accepts(tok, several, call + "\n" + call)
+        assert parsed(family, parser_name, call + "\n" + call) == [("get_weather", ARGUMENTS)] * 2
 
 
 @pytest.mark.parametrize("family", ["qwen3_coder", "glm47", "minimax_m2"])

@@ -5,6 +5,7 @@ import pytest
 from gateway.errors import APIError
 from gateway.plan import ChatInput, NamedTool, Plan, SamplingParams, template_tool_call, tool_definitions
 from gateway.sampling_defaults import SamplingDefaults
+from gateway.structured import answer_grammar
 
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
 TIME = {"type": "function", "function": {"name": "time", "parameters": {"type": "object"}}}
@@ -63,6 +64,16 @@ def test_a_forced_tool_call_wins_over_json_output():
     """The call is the answer (OpenAI takes both; this was a 400)."""
     forced = Plan("m", ChatInput([]), SamplingParams(), [], tools=[WEATHER], force_tool_call=True)
     assert dataclasses.replace(forced, json_output=True).grammar("hermes") == forced.grammar("hermes")
+
+
+def test_strict_tools_constrain_auto_calls_where_the_format_has_an_opening():
+    plan = Plan("m", ChatInput([]), SamplingParams(), [], tools=[WEATHER])
+    strict = dataclasses.replace(plan, strict_tools=True)
+    assert plan.grammar("hermes") is None
+    assert strict.grammar("hermes") == answer_grammar([WEATHER], "hermes", prose=True, several=True)
+    assert dataclasses.replace(strict, parallel_tool_calls=False).grammar("hermes") == answer_grammar(
+        [WEATHER], "hermes", prose=True)
+    assert strict.grammar("llama3") is strict.grammar(None) is None  # bare JSON calls: no opening to find
 
 
 def test_an_unconstrained_plan_has_no_grammar_and_names_its_prompt_parameter():
