@@ -118,8 +118,9 @@ class RequestState:
     def running(self) -> bool:
         return self.status is RequestStatus.RUNNING
 
-    def render(self, output: RequestOutput) -> Delta:
-        """The text this step adds; the final Delta sets the status."""
+    def render(self, output: RequestOutput) -> list[Delta]:
+        """What this step adds: one Delta, or more where text came after a
+        call in the last step (each in its order); the final Delta sets the status."""
         token_ids = output.token_ids
         if not self.generated:
             self.first_token_at = time.monotonic()
@@ -163,7 +164,14 @@ class RequestState:
         finish: str | None = "stop" if stop is not None else output.finish_reason
         if finish == "stop" and self._parser is not None and self._parser.calls:
             finish = "tool_calls"
-        return Delta(text, self.index, reasoning, calls, finish, stop, logprobs)
+        if not ended or self._parser is None or not self._parser.holds_text:
+            return [Delta(text, self.index, reasoning, calls, finish, stop, logprobs)]
+        deltas = [Delta(text, self.index, reasoning, calls, logprobs=logprobs)]
+        while self._parser.holds_text:  # the text after a call (and any calls after that), each after the last
+            _, text, calls = self._parser.feed("", True)
+            deltas.append(Delta(text, self.index, tool_calls=calls))
+        deltas[-1].finish_reason, deltas[-1].stop_string = finish, stop
+        return deltas
 
     def _token_infos(self, token_ids: list[int], logprobs: list[TokenLogprob], pieces: list[str]) -> list[TokenInfo]:
         text, raw = self._tokenizer.token_text, self._tokenizer.token_bytes
@@ -249,13 +257,14 @@ class OutputProcessor:
                 continue
             self.tokens_generated += len(output.token_ids)
             try:
-                delta = state.render(output)
+                deltas = state.render(output)
             except Exception:  # one request's rendering must not cost the others in this step their outputs
                 log.exception("rendering the output of request %s failed", state.request_id)
                 self.fail(state.request_id, "the server could not render this request's output", 500)
                 aborts.append(output.request_id)
                 continue
-            state.queue.put_nowait(delta)
+            for delta in deltas:
+                state.queue.put_nowait(delta)
             if not state.running:
                 del self._requests[state.request_id]
                 if state.status is RequestStatus.STOPPED:

@@ -130,14 +130,19 @@ class ToolCallParser:
 
     def _feed_marked(self, start: str, end: str, parse: Callable[[str], list[ToolCall] | None],
                      final: bool) -> tuple[str, list[ToolCall]]:
-        """Calls between a start and an end marker, text around them."""
-        content, calls = [], []
+        """Calls between a start and an end marker, text around them. Text
+        after a call stays here for the next feed (`holds_text`), so that it
+        goes out after the call: a feed's text and calls have no order."""
+        content: list[str] = []
+        calls: list[ToolCall] = []
         while True:
             if self._trim:
                 self._pending = self._pending.lstrip("\n")
                 self._trim = not self._pending
             if not self._in_call:
                 at = self._pending.find(start)
+                if calls and self._pending and at != 0:  # text after a call: the next feed's
+                    return "".join(content), calls
                 if at < 0:
                     break
                 content.append(self._pending[:at])
@@ -160,6 +165,11 @@ class ToolCallParser:
             content.append(self._pending[: len(self._pending) - keep])
             self._pending = self._pending[len(self._pending) - keep:]
         return "".join(content), calls
+
+    @property
+    def holds_text(self) -> bool:
+        """Text after a call waits here for a feed of its own."""
+        return bool(self._pending) and not self._in_call
 
     def _feed_whole(self, marker: str, parse: Callable[[str], list[ToolCall] | None],
                     final: bool) -> tuple[str, list[ToolCall]]:
@@ -287,6 +297,11 @@ class MessageParser:
         """Inside the reasoning block now."""
         return self._reasoning is not None and self._reasoning.inside
 
+    @property
+    def holds_text(self) -> bool:
+        """Text after a call waits for a feed of its own (ToolCallParser.holds_text)."""
+        return self._tools is not None and self._tools.holds_text
+
     def feed(self, text: str, final: bool) -> tuple[str, str, list[ToolCall]]:
         """(reasoning, content, tool calls) that this text completes."""
         reasoning = ""
@@ -371,6 +386,11 @@ class HarmonyParser:
                 content.append(self._pending)
             self._pending = ""  # else a message's header the reply ended in: no text of its own
         return "".join(reasoning), "".join(content), calls
+
+    @property
+    def holds_text(self) -> bool:
+        """Never: a message's text goes out as it comes (MessageParser.holds_text)."""
+        return False
 
     @property
     def reasoning(self) -> bool:

@@ -351,15 +351,20 @@ def test_strict_tools_hold_the_models_own_calls_to_their_schemas(scripted):
 
 
 def test_blocks_come_in_their_order_whole_or_streamed(scripted):
-    """Text, a call, more text: Anthropic's content blocks and Responses' output items, as the stream sends them."""
+    """Text, a call, more text: Anthropic's content blocks and Responses' output items, as the stream sends them;
+    also where stop sequences hold the end of the call back until the text after it has come (the text came
+    first)."""
     server = scripted("hermes-between")
     client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
-    message = client.messages.create(model="scripted", max_tokens=32, messages=ASK, tools=ANTHROPIC_TOOLS)
-    with client.messages.stream(model="scripted", max_tokens=32, messages=ASK, tools=ANTHROPIC_TOOLS) as stream:
-        final = stream.get_final_message()
-    blocks = [(b.type, getattr(b, "text", None)) for b in message.content]
-    assert blocks == [("text", "Let me check."), ("tool_use", None), ("text", " It is on its way.")]
-    assert [(b.type, getattr(b, "text", None)) for b in final.content] == blocks
+    for stops in [[], ["never-seen"]]:
+        message = client.messages.create(model="scripted", max_tokens=32, messages=ASK, tools=ANTHROPIC_TOOLS,
+                                         stop_sequences=stops)
+        with client.messages.stream(model="scripted", max_tokens=32, messages=ASK, tools=ANTHROPIC_TOOLS,
+                                    stop_sequences=stops) as stream:
+            final = stream.get_final_message()
+        blocks = [(b.type, getattr(b, "text", None)) for b in message.content]
+        assert blocks == [("text", "Let me check."), ("tool_use", None), ("text", " It is on its way.")]
+        assert [(b.type, getattr(b, "text", None)) for b in final.content] == blocks
     responses = openai_client(server).responses
     whole = responses.create(model="scripted", input="Weather in Paris?", tools=RESPONSES_TOOLS, temperature=0)
     assert [item.type for item in whole.output] == ["message", "function_call", "message"]
