@@ -19,9 +19,10 @@ BLOCK_TOKENS = 32
 MAX_BLOCKS = 1 << 16  # per worker: two million tokens of prompts remembered
 
 
-def prefix_blocks(tokens: list[int]) -> list[int]:
-    """The chained hashes of the prompt's whole blocks."""
-    hashes, chained = [], 0
+def prefix_blocks(tokens: list[int], scope: str = "") -> list[int]:
+    """The chained hashes of the prompt's whole blocks, in the prefix cache's
+    `scope` (AddRequest.cache_scope): another scope's prompts do not help it."""
+    hashes, chained = [], hash(scope)
     for start in range(0, len(tokens) - BLOCK_TOKENS + 1, BLOCK_TOKENS):
         chained = hash((chained, *tokens[start:start + BLOCK_TOKENS]))
         hashes.append(chained)

@@ -69,6 +69,9 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
         keys = KeyRing(settings.api_key, settings.api_key_file)
     except OSError as e:
         raise SystemExit(f"mlxd: cannot read --api-key-file {settings.api_key_file}: {e.strerror}") from None
+    except ValueError as e:
+        raise SystemExit(f"mlxd: --api-key-file {e}: a server told to use keys does not serve without any "
+                         "(to serve without keys, leave --api-key-file out)") from None
     check_bind_policy(settings, keys.enabled)
     link = WorkerLink(
         settings.worker_endpoint,

@@ -141,7 +141,13 @@ class ImageLoader:
             raise APIError(400, "image URLs may not carry credentials or escapes in their host", param=param,
                            code="image_host_not_allowed")
         host = (parts.hostname or "").lower()
-        if host not in self.allowed_hosts and parts.netloc.lower() not in self.allowed_hosts:
+        try:
+            port = parts.port
+        except ValueError:
+            raise APIError(400, "the image URL's port is not a port", param=param, code="invalid_image_url") from None
+        # A host allowed alone is allowed on its scheme's own port: not every service it runs.
+        on_its_port = host in self.allowed_hosts and port in (None, {"http": 80, "https": 443}.get(parts.scheme))
+        if not on_its_port and parts.netloc.lower() not in self.allowed_hosts:
             raise APIError(400, f"image URLs of host {host!r} are not allowed on this server "
                                 "(see --allow-image-hosts); send the image inline instead", param=param,
                            code="image_host_not_allowed")

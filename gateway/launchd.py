@@ -111,12 +111,11 @@ def checked_gateway(layout: Layout, gateway: GatewaySettings) -> tuple[GatewaySe
         raise LaunchdError("give the API keys either as --api-key or in --api-key-file, not both")
     if gateway.api_key_file:
         try:
-            has_keys = KeyRing([], gateway.api_key_file).enabled
+            KeyRing([], gateway.api_key_file)
         except OSError as e:
             raise LaunchdError(f"cannot read --api-key-file {gateway.api_key_file}: {e}") from None
-        if not has_keys and keys_required(gateway):
-            raise LaunchdError(f"--api-key-file {gateway.api_key_file} holds no key, and the gateway would listen "
-                               f"on {gateway.host}: it would be refused at every start")
+        except ValueError as e:
+            raise LaunchdError(f"--api-key-file {e}: the gateway would be refused at every start") from None
         return gateway, []
     if not gateway.api_key:
         if keys_required(gateway):

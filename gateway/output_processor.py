@@ -80,6 +80,7 @@ class RequestState:
         index: int = 0,
         parser: StreamParser | None = None,
         images: tuple[list[Tensor], list, int] = ([], [], 0),
+        cache_scope: str = "",
     ) -> None:
         self.request_id = request_id
         self.index = index
@@ -89,6 +90,7 @@ class RequestState:
         # The image tensors the prompt's placeholders stand for, and their
         # arrays: kept until the request ends, since a resumed request needs them again.
         self.tensors, self.buffers, self.images_key = images
+        self.cache_scope = cache_scope  # AddRequest.cache_scope
         # Every token the worker produced, so that a lost worker's requests
         # can continue on the next one from exactly where they were.
         self.generated: list[int] = []
@@ -207,10 +209,11 @@ class RequestState:
         lost worker, the rest of it (the prompt followed by what was already generated)."""
         self.sends += 1
         if not self.generated:
-            return AddRequest(self.wire_id, self.prompt, self.sampling, self.tensors, images_key=self.images_key)
+            return AddRequest(self.wire_id, self.prompt, self.sampling, self.tensors, images_key=self.images_key,
+                              cache_scope=self.cache_scope)
         rest = msgspec.structs.replace(self.sampling, max_tokens=self.sampling.max_tokens - len(self.generated))
         return AddRequest(self.wire_id, self.prompt + self.generated, rest, self.tensors, len(self.generated),
-                          self.images_key)
+                          self.images_key, self.cache_scope)
 
     def fail(self, message: str, status: int) -> Delta:
         self.status = RequestStatus.FAILED

@@ -101,10 +101,12 @@ def _digest(key: str) -> bytes:
 class KeyRing:
     """The accepted API keys: from --api-key/MLXD_API_KEYS and --api-key-file (re-read on SIGHUP).
 
-    A reload that would leave none (an emptied file, one of comments only) is
-    refused and the keys loaded before stay: keys once on never turn off with
-    a file saved half-written, beyond loopback or on it (where a proxy may
-    bring the LAN). Serving without keys takes a restart.
+    A key file that holds none (an emptied file, one of comments only) is
+    refused, at start (ValueError) and on a reload, where the keys loaded
+    before stay: keys once on never turn off with a file saved half-written,
+    nor does a server told to use keys start without any, beyond loopback or
+    on it (where a proxy may bring the LAN). Serving without keys takes a
+    restart without --api-key-file.
     """
 
     def __init__(self, keys: list[str], key_file: str | None, kind: str = "API keys") -> None:
@@ -115,15 +117,14 @@ class KeyRing:
         self.reload()
 
     def reload(self) -> None:
-        """Re-read the key file. Raises OSError if it cannot be read and
-        ValueError if it would leave no key where there were some; either way
-        the keys loaded before stay."""
+        """Re-read the key file, a key a line; `#` begins a comment, on a line
+        of its own or after a key. Raises OSError if it cannot be read and
+        ValueError if it holds no key; either way the keys loaded before stay."""
         keys = list(self._static)
         if self._file is not None:
-            lines = self._file.read_text().splitlines()
-            keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-        if self._digests and not keys:
-            raise ValueError(f"{self._file} holds no key; the keys loaded before stay (restart to serve without keys)")
+            keys += [key for line in self._file.read_text().splitlines() if (key := line.partition("#")[0].strip())]
+            if not keys:
+                raise ValueError(f"{self._file} holds no key")
         self._digests = [_digest(k) for k in keys]
         if keys or self._file is not None:
             log.info("%d %s loaded", len(self._digests), self.kind)
@@ -160,7 +161,8 @@ class Guard:
     With keys, /v1/* needs an API key, /metrics an API key or a metrics
     key, and /admin/* an admin key (--admin-key), or without admin keys an
     API key. Sets scope["state"]["client_id"]: the key's id, or (without keys) the
-    client's address, for per-client limits; and ["authenticated"].
+    client's address, for per-client limits; ["key_id"]: the key's id or None;
+    and ["authenticated"].
     """
 
     def __init__(self, app: ASGIApp, settings: GatewaySettings, keys: KeyRing, keep_alive_s: float) -> None:
@@ -218,6 +220,7 @@ class Guard:
         state = scope.setdefault("state", {})
         state["authenticated"] = key_id is not None or not self.keys.enabled
         state["client_id"] = key_id or (scope.get("client") or ("?",))[0]
+        state["key_id"] = key_id
         state["keep_alive_limit_s"] = self.keep_alive_limit_s
         return await self.app(scope, receive, send)
 

@@ -330,7 +330,8 @@ class Serving:
         streaming = False  # once a stream is open, its generate releases the lease when it ends
         try:
             prompt = await self.prompt(request, worker, plan)
-            group = self._group(worker, plan, prompt, renderer.id, ready_at)
+            cache_scope = "" if self.settings.share_prefix_cache else request.scope["state"].get("key_id") or ""
+            group = self._group(worker, plan, prompt, renderer.id, ready_at, cache_scope)
             deltas = self.generate(request, plan, group, renderer.id, worker, lease)
             if plan.stream:
                 # Admitted, reserved and submitted before any 200: a refusal is still a 4xx/5xx.
@@ -350,8 +351,9 @@ class Serving:
         return MsgspecResponse(renderer.body(choices, group))
 
     def _group(self, worker: WorkerState, plan: Plan, prompt: Prompt, request_id: str,
-               ready_at: float) -> RequestGroup:
-        """One RequestState per choice, with its sampling, stop strings and parsers."""
+               ready_at: float, cache_scope: str) -> RequestGroup:
+        """One RequestState per choice, with its sampling, stop strings and parsers;
+        cache_scope: AddRequest.cache_scope."""
         max_tokens = self.max_tokens(prompt.token_ids, plan.max_tokens, worker, plan.prompt_param,
                                      plan.max_tokens_param)
         family, call_format = worker.tokenizer.tool_family, forced_call_format(worker)
@@ -372,7 +374,8 @@ class Serving:
         states = []
         for index, (rid, sampling) in enumerate(zip(ids, samplings)):
             states.append(RequestState(rid, queue, prompt.token_ids, sampling, worker.tokenizer, plan.stops, index,
-                                       parsers() if parsers else None, images=(prompt.tensors, prompt.arrays, prompt.images_key)))
+                                       parsers() if parsers else None, images=(prompt.tensors, prompt.arrays, prompt.images_key),
+                                       cache_scope=cache_scope))
         if self.settings.log_prompts:
             prompt_log.info("%s prompt: %r", request_id, worker.tokenizer.decode(prompt.token_ids))
         return RequestGroup(states, queue, ready_at)

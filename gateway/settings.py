@@ -68,6 +68,11 @@ class GatewaySettings(LogSettings, kw_only=True):
                          "restarting workers); without one, API keys may use it",
              extra={"env": "MLXD_ADMIN_KEYS"}),
     ] = []
+    share_prefix_cache: Annotated[
+        bool, Meta(description="let the API keys reuse each other's prompts in the prefix cache (by default each key "
+                               "has a cache of its own: how much of a prompt another key's holds would show in "
+                               "cached_tokens and in the time to the first token)")
+    ] = False
     insecure_no_auth: Annotated[
         bool, Meta(description="allow listening beyond loopback without API keys (dangerous)")
     ] = False

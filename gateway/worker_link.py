@@ -337,7 +337,7 @@ class WorkerLink:
         load = self._running_by_worker()
         least = min(load[w.identity] for w in ready)
         message = state.add_request()
-        blocks = prefix_blocks(message.prompt_token_ids)
+        blocks = prefix_blocks(message.prompt_token_ids, message.cache_scope)
         worker = max((w for w in ready if load[w.identity] < least + AFFINITY_SLACK),
                      key=lambda w: (w.prefixes.matched(blocks), -load[w.identity]))
         if not self._send(worker.identity, message, state.buffers):

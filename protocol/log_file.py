@@ -43,6 +43,8 @@ def follow_log_file(path: str) -> None:
 def _point_at(path: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # with --log-prompts, the prompts
     try:
+        if os.fstat(fd).st_uid == os.geteuid():  # a file that was there keeps its mode otherwise: 0644 is usual
+            os.fchmod(fd, 0o600)
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(fd, 1)

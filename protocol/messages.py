@@ -83,6 +83,10 @@ class AddRequest(_Message, tag="add"):
     # the thread that made them (hashing a large image's pixels on the worker's
     # main thread held every stream for tens of milliseconds).
     images_key: int = 0
+    # Whose prompts the request may reuse from the prefix cache and leaves there
+    # (its API key's id; "": everyone's): what another client's cache holds
+    # would show in cached_tokens and in the time to the first token.
+    cache_scope: str = ""
 
 
 class Abort(_Message, tag="abort"):

@@ -405,9 +405,11 @@ def test_logs_follow_their_file_when_log_rotation_moves_it(tiny_model, tmp_path)
     from protocol.log_file import CHECK_EVERY_S
 
     log = tmp_path / "mlxd.log"
+    log.touch(0o644)  # one that was there kept its mode: with --log-prompts, readable by every user
     with running(["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME, "--log-file", str(log)],
                  tmp_path / "launch.log"):
         assert "worker ready" in log.read_text()
+        assert log.stat().st_mode & 0o777 == 0o600
         log.rename(tmp_path / "mlxd.log.0")
         time.sleep(CHECK_EVERY_S * 2.5)
     after = log.read_text()  # the gateway's drain and the worker's, written once the server was told to stop

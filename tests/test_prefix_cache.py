@@ -87,3 +87,27 @@ def test_cache_can_be_turned_off(tiny_model, tmp_path):
         assert ask(client, messages).usage.prompt_tokens_details.cached_tokens == 0
     finally:
         server.stop()
+
+
+def test_each_api_key_has_a_cache_of_its_own_unless_shared(tiny_model, tmp_path, reference):
+    """How much of a prompt the cache holds shows in cached_tokens (and in the
+    time to the first token): a key must not learn what another key's
+    prompts were by guessing at them. With --share-prefix-cache, they reuse
+    each other's."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which rule is the third?"}]
+    prompt = reference.chat_prompt(messages)
+    for shared in (False, True):
+        server = Server(["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME,
+                         "--api-key", "alice-key", "--api-key", "bob-key",
+                         *(["--share-prefix-cache"] if shared else [])], tmp_path / f"serve-{shared}.log")
+        try:
+            server.wait_ready()
+            alice, bob = (openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+                          for key in ("alice-key", "bob-key"))
+            first = ask(alice, messages)
+            assert ask(alice, messages).usage.prompt_tokens_details.cached_tokens == len(prompt) - 1
+            guess = ask(bob, messages)
+            assert guess.usage.prompt_tokens_details.cached_tokens == (len(prompt) - 1 if shared else 0)
+            assert guess.choices[0].message.content == first.choices[0].message.content
+        finally:
+            server.stop()

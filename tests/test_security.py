@@ -102,6 +102,19 @@ def test_in_flight_per_key_gets_429(keyed):
         assert other_key.status_code == 200
 
 
+def test_a_key_file_without_a_key_refuses_to_start_on_loopback_too(tmp_path):
+    """It served every client without a key: a proxy on loopback may bring the LAN."""
+    key_file = tmp_path / "keys"
+    key_file.write_text("# the team's keys go here\n")
+    result = subprocess.run(
+        [*MLXD, "gateway", "--port", str(free_port()), "--api-key-file", str(key_file),
+         "--worker-endpoint", f"ipc://{tmp_path}/w.sock"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode != 0
+    assert "holds no key" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_non_loopback_bind_without_key_refuses_to_start(tmp_path):
     result = subprocess.run(
         [*MLXD, "gateway", "--host", "0.0.0.0", "--port", str(free_port()),

@@ -129,7 +129,8 @@ def image_host():
 def vision_server(vision_model, image_host, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "vision.log"
     with running(["serve", "--model", str(vision_model), "--served-model-name", MODEL, "--heartbeat-s", "0.05",
-                  "--allow-image-hosts", image_host, "--max-images-per-request", "3", "--max-image-pixels", "40000",
+                  "--allow-image-hosts", image_host, "--allow-image-hosts", "localhost",
+                  "--max-images-per-request", "3", "--max-image-pixels", "40000",
                   "--max-image-bytes", "300000"], log, env={"MLXD_AFFINITY_AUDIT": "1"}) as srv:
         yield srv
 
@@ -198,6 +199,9 @@ def test_allowed_host_is_fetched_and_others_are_not(client, vision_reference, im
     for url in (f"http://user:pass@{image_host}/cat.png", f"http://evil.example@{image_host}/cat.png"):
         with pytest.raises(openai.BadRequestError, match="credentials"):
             chat(client, openai_messages(url))
+    # A host allowed alone ("localhost") is allowed on its scheme's port, not on every port it listens on.
+    with pytest.raises(openai.BadRequestError, match="not allowed"):
+        chat(client, openai_messages(f"http://localhost:{image_host.rpartition(':')[2]}/cat.png"))
 
 
 def test_image_hosts_that_never_answer_hold_up_no_other_request(vision_model, vision_server, image_host):
@@ -391,6 +395,7 @@ def test_images_one_pixel_apart_never_share_cached_state(client, vision_referenc
         ("https://10.0.0.1/cat.png", 400, "not allowed"),
         ("file:///etc/passwd", 400, "never reads local files"),
         ("http://[bad/cat.png", 400, "not a valid URL"),
+        ("http://localhost:99999/cat.png", 400, "not a port"),
         ("/etc/passwd", 400, "never reads local files"),
         ("cat.png", 400, "never reads local files"),
         ("data:image/png;base64,!!!not base64!!!", 400, "base64"),
@@ -400,7 +405,7 @@ def test_images_one_pixel_apart_never_share_cached_state(client, vision_referenc
         (data_url(image(0, (300, 300))), 413, "pixels"),  # 90,000 > --max-image-pixels 40000
         ("data:image/png;base64," + base64.b64encode(b"\0" * 400_000).decode(), 413, "larger"),
     ],
-    ids=["http-not-allowed", "https-not-allowed", "file-url", "bad-url", "absolute-path", "bare-path", "bad-base64",
+    ids=["http-not-allowed", "https-not-allowed", "file-url", "bad-url", "bad-port", "absolute-path", "bare-path", "bad-base64",
          "not-an-image", "truncated", "bmp", "too-many-pixels", "too-many-bytes"],
 )
 def test_bad_images_get_a_clear_4xx(vision_server, url, status, words):

@@ -250,14 +250,15 @@ class DiskCache:
         # checked and put in place by several threads (none calls MLX).
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="mlxd-disk-read")
 
-    def restore(self, tokens: Sequence[int], beyond: int) -> tuple[list[KVCache] | None, int]:
+    def restore(self, tokens: Sequence[int], beyond: int, scope: str = "") -> tuple[list[KVCache] | None, int]:
         """The KV state of the longest chain of blocks on disk that starts
         `tokens` and is longer than `beyond` tokens, and its length; (None, 0)
         when none is. Nothing is read unless the chain is longer: the RAM
-        tier usually holds as much, and a read is the main thread's time."""
+        tier usually holds as much, and a read is the main thread's time.
+        `scope`: whose blocks (AddRequest.cache_scope)."""
         if self.layout is None:
             return None, 0
-        keys = chain_keys(self.identity, tokens)
+        keys = chain_keys(self._root(scope), tokens)
         if len(keys) * BLOCK_TOKENS <= beyond:  # RAM holds as much: the disk's copy is kept fresh, off this thread
             self._readers.submit(self._touch, keys)
             return None, 0
@@ -334,16 +335,17 @@ class DiskCache:
         blocks.clear()  # the files' contents
         return [mx.array(a).view(DTYPES[name]) for a, name in zip(whole, layout.dtypes, strict=True)]
 
-    def save(self, tokens: Sequence[int], cache: list) -> None:
+    def save(self, tokens: Sequence[int], cache: list, scope: str = "") -> None:
         """Queue for writing the blocks of `tokens` not on disk yet, from
-        `cache` (their KV state). Only plain KV caches are kept: a window,
-        a recurrent state or quantized keys cannot be cut into blocks here."""
+        `cache` (their KV state), in `scope` (AddRequest.cache_scope). Only
+        plain KV caches are kept: a window, a recurrent state or quantized
+        keys cannot be cut into blocks here."""
         if not cache or any(type(c) is not KVCache for c in cache) or layout_of(cache) != self.layout:
             return
         with self._lock:
             if self._full_at is not None and time.monotonic() - self._full_at > FULL_DISK_RETRY_S:
                 self.budget, self._full_at = self.whole_budget, None  # room may have been made since
-        keys = chain_keys(self.identity, tokens[:min(c.offset for c in cache)])
+        keys = chain_keys(self._root(scope), tokens[:min(c.offset for c in cache)])
         for index, key in enumerate(keys):
             start, end = index * BLOCK_TOKENS, (index + 1) * BLOCK_TOKENS
             arrays = [mx.contiguous(a[..., start:end, :]) for c in cache for a in (c.keys, c.values)]
@@ -366,6 +368,11 @@ class DiskCache:
                     self._queued.discard(key)
                 raise
             self._pending.put((key, payload, size, keys[:index]))
+
+    def _root(self, scope: str) -> bytes:
+        """What a chain of `scope` starts from: the model's identity, and the
+        scope's name where there is one (the blocks of no scope stay as they were)."""
+        return self.identity + b"\0" + scope.encode() if scope else self.identity
 
     def close(self) -> None:
         """Write what is queued, then stop the writer and the readers."""

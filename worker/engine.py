@@ -52,6 +52,7 @@ class Admitted:
     top_logprobs: int | None  # alternatives wanted with each token's logprob; None: no logprobs
     cached_tokens: int | None  # prompt tokens from the prefix cache, until the first output reports them
     cache_key: list[int] | None = None  # a request with images: its prefix-cache key (see worker.vision)
+    cache_scope: str = ""  # whose prefix cache it reads and adds to (AddRequest.cache_scope)
     uid: int | None = None  # the BatchGenerator's, once it joined the batch
     waiting: bool = True  # not prefilled yet
     on_disk: bool = False  # its prompt's KV state was handed to the disk tier
@@ -198,8 +199,9 @@ class Engine:
         # The gateway sends the key; a request made in-process (tests, benchmarks) has it worked out here.
         images = (request.images_key or images_key(buffers)) if vision is not None and request.tensors else None
         key = prompt if vision is None or images is None else vision.cache_key(prompt, media_end, images)
-        cache, reused = self.prefix_cache.take(key) if self.prefix_cache else (None, 0)
-        admitted = Admitted(request.request_id, s.logprobs, reused)
+        scope = request.cache_scope
+        cache, reused = self.prefix_cache.take(key, scope) if self.prefix_cache else (None, 0)
+        admitted = Admitted(request.request_id, s.logprobs, reused, cache_scope=scope)
         # None is mlx-lm's "none" for a sampler (the batch's argmax), though its type hints do not say so.
         sampler = make_sampler(s, self.vocab_size, request.generated_tokens)
         joining = Joining(admitted, max_tokens, sampler, processors,  # type: ignore[arg-type]
@@ -276,7 +278,8 @@ class Engine:
             caches = self._generator.remove(joined, return_prompt_caches=keeper is not None)
             if keeper is not None:
                 for uid, (cache, tokens) in caches.items():
-                    keeper.keep(self._cache_key(self._by_uid[uid], tokens), cache)
+                    admitted = self._by_uid[uid]
+                    keeper.keep(self._cache_key(admitted, tokens), cache, admitted.cache_scope)
         if len(joined) < len(dropped):  # some were still prefilling their images
             ids = {r.request_id for r in dropped}
             self._prefilling = deque(p for p in self._prefilling if p[0].admitted.request_id not in ids)
@@ -340,7 +343,7 @@ class Engine:
                 # (One that ends here has left mlx-lm's batch already; keep() below writes it.)
                 admitted.on_disk = True
                 cache, tokens = running_kv_view(self._generator, r.uid)
-                disk.save(self._cache_key(admitted, list(tokens)), cache)
+                disk.save(self._cache_key(admitted, list(tokens)), cache, admitted.cache_scope)
             outputs.append(RequestOutput(admitted.request_id, [r.token], r.finish_reason,
                                          cached_tokens=admitted.cached_tokens))
             admitted.cached_tokens = None  # reported once, on the first output
@@ -348,7 +351,8 @@ class Engine:
                 wanted.append((outputs[-1], r, admitted.top_logprobs))
             if r.finish_reason is not None:
                 if self.prefix_cache is not None:
-                    self.prefix_cache.keep(self._cache_key(admitted, r.all_tokens), r.prompt_cache)
+                    self.prefix_cache.keep(self._cache_key(admitted, r.all_tokens), r.prompt_cache,
+                                           admitted.cache_scope)
                 finished.append(admitted)
         if wanted:
             self._attach_logprobs(wanted)

@@ -31,8 +31,6 @@ from mlx_lm.models.cache import (
 from protocol import PrefixCacheStats
 from worker.disk_cache import DiskCache
 
-MODEL_KEY = "model"  # one model per worker
-
 
 class LinearPromptTrie(PromptTrie):
     """mlx-lm's token trie, with a search whose time does not grow with what
@@ -118,13 +116,14 @@ class PrefixCache:
         self.prefilled_tokens = 0
         self.disk_hits = 0
 
-    def take(self, prompt: list[int]) -> tuple[list | None, int]:
+    def take(self, prompt: list[int], scope: str = "") -> tuple[list | None, int]:
         """A copy of the cached KV state for the longest usable prefix of
-        `prompt`, and that prefix's length. At least one prompt token is always
-        left to prefill, since the step that reads the prompt yields the first
-        token."""
+        `prompt` among those kept in `scope` (AddRequest.cache_scope), and
+        that prefix's length. At least one prompt token is always left to
+        prefill, since the step that reads the prompt yields the first token."""
         self.lookups += 1
-        cache, rest = self._lru.fetch_nearest_cache(MODEL_KEY, prompt)
+        # One model a worker: mlx-lm's key for the model holds the scope instead.
+        cache, rest = self._lru.fetch_nearest_cache(scope, prompt)
         if cache is not None and not rest:
             if not can_trim_prompt_cache(cache):
                 cache = None
@@ -135,7 +134,7 @@ class PrefixCache:
             drop_past_offset(cache)
         reused = len(prompt) - len(rest) if cache is not None else 0
         if self.disk is not None:
-            restored, length = self.disk.restore(prompt[:-1], reused)
+            restored, length = self.disk.restore(prompt[:-1], reused, scope)
             if restored is not None:
                 cache, reused = restored, length
                 self.disk_hits += 1
@@ -160,13 +159,13 @@ class PrefixCache:
         self.cached_tokens += reused
         return cache, reused
 
-    def keep(self, tokens: list[int], cache: list) -> None:
-        """Remember the KV state of `tokens` (a finished or aborted request's)."""
+    def keep(self, tokens: list[int], cache: list, scope: str = "") -> None:
+        """Remember the KV state of `tokens` (a finished or aborted request's) in `scope`."""
         if tokens and cache:
             own_buffers(cache)
             if self.disk is not None:
-                self.disk.save(tokens, cache)
-            self._lru.insert_cache(MODEL_KEY, list(tokens), cache)
+                self.disk.save(tokens, cache, scope)
+            self._lru.insert_cache(scope, list(tokens), cache)
 
     def stats(self) -> PrefixCacheStats:
         disk = self.disk

@@ -82,6 +82,17 @@ def test_a_block_matches_only_behind_the_same_tokens_and_model(tmp_path):
     assert length == BLOCK_TOKENS
 
 
+def test_a_block_matches_only_in_the_scope_it_was_kept_in(tmp_path):
+    """One API key's prompts are no other key's (AddRequest.cache_scope), after a restart too."""
+    tokens = list(range(2 * BLOCK_TOKENS))
+    disk = DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT)
+    disk.save(tokens, kv_cache(len(tokens)), "alice")
+    disk.close()
+    reader = DiskCache(tmp_path, 1 << 30, IDENTITY, LAYOUT)
+    assert reader.restore(tokens, 0, "bob") == reader.restore(tokens, 0) == (None, 0)
+    assert reader.restore(tokens, 0, "alice")[1] == 2 * BLOCK_TOKENS
+
+
 def block_bytes(tmp_path, cache) -> int:
     written(tmp_path / "probe", 1 << 30, list(range(BLOCK_TOKENS)), cache)
     return block_files(tmp_path / "probe")[0].stat().st_size

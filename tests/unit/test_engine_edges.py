@@ -107,11 +107,11 @@ def test_tokens_off_the_grammar_are_refused_on_resuming(loaded):
 class FailingKeep(PrefixCache):
     """Filing the second finished request fails (as an out-of-memory would)."""
 
-    def keep(self, tokens, cache):
+    def keep(self, tokens, cache, scope=""):
         self.kept = getattr(self, "kept", 0) + 1
         if self.kept == 2:
             raise MemoryError("filing a finished request's KV state")
-        super().keep(tokens, cache)
+        super().keep(tokens, cache, scope)
 
 
 def test_a_step_that_fails_part_way_leaves_no_request_unanswered(loaded):
