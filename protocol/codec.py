@@ -40,6 +40,16 @@ def images_key(buffers: Sequence[Any]) -> int:
     return -1 - int.from_bytes(h.digest()[:7], "little")
 
 
+def scoped_images_key(key: int, scope: str) -> int:
+    """The images_key() of a request in a prefix-cache scope
+    (AddRequest.cache_scope): another scope's KV state and vision features of
+    the same images are not its (a hit would show in its time to the first token)."""
+    if not scope:
+        return key
+    digest = hashlib.sha256(key.to_bytes(8, "little", signed=True) + scope.encode()).digest()
+    return -1 - int.from_bytes(digest[:7], "little")
+
+
 def files_digest(files: dict[str, bytes]) -> bytes:
     """One digest of named files' contents, whatever their order: a worker's
     tokenizer files, by which the gateway shares one load and the worker files

@@ -368,6 +368,32 @@ def test_an_image_seen_before_skips_the_vision_tower(client, vision_server, visi
     assert f'mlxd_image_feature_cache_hits_total{{model="{worker["names"][0]}",pid="{worker["pid"]}"}} {before + 1}\n' in metrics
 
 
+def test_an_api_key_never_reuses_the_features_of_anothers_image(vision_model, tmp_path):
+    """Each key has a cache of its own, the vision features' too: a feature
+    cache hit shows in the time to the first token, so one key could tell
+    whether another had sent an image it guesses at."""
+    if vision_model.name != FAMILIES[0]:
+        pytest.skip("the cache's scopes are the engine's: the same for every family")
+    srv = Server(["serve", "--model", str(vision_model), "--served-model-name", MODEL, "--heartbeat-s", "0.05",
+                  "--api-key", "alice-key", "--api-key", "bob-key"], tmp_path / "serve.log")
+    try:
+        srv.wait_ready()
+        img = image(71)
+
+        def ask(key: str, system: str) -> int:
+            """The feature cache's hits once the key's request is answered."""
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
+            chat(client, [{"role": "system", "content": system}] + openai_messages(data_url(img)))
+            time.sleep(0.2)  # past the heartbeat after that request
+            return srv.http.get("/health", headers={"x-api-key": key}).json()["worker"]["prefix_cache"]["image_hits"]
+
+        hits = ask("alice-key", "Answer in one word.")
+        assert ask("bob-key", "Take your time.") == hits
+        assert ask("alice-key", "Describe everything.") == hits + 1
+    finally:
+        srv.stop()
+
+
 def test_images_one_pixel_apart_never_share_cached_state(client, vision_reference):
     """The prefix cache keys image positions by the images' content."""
     a = image(20)

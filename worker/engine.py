@@ -19,7 +19,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import make_frequency_penalty, make_logits_processors, make_presence_penalty
 
 from protocol import AddRequest, PrefixCacheStats, RequestOutput, TokenLogprob
-from protocol.codec import images_key
+from protocol.codec import images_key, scoped_images_key
 from worker.grammar import GrammarError, Grammars
 from worker.joins import fold_joins, running_kv_view
 from worker.prefix_cache import PrefixCache
@@ -197,7 +197,8 @@ class Engine:
         vision = self.vision
         media_end = len(prompt) - request.generated_tokens  # image positions lie before it
         # The gateway sends the key; a request made in-process (tests, benchmarks) has it worked out here.
-        images = (request.images_key or images_key(buffers)) if vision is not None and request.tensors else None
+        images = scoped_images_key(request.images_key or images_key(buffers), request.cache_scope) \
+            if vision is not None and request.tensors else None
         key = prompt if vision is None or images is None else vision.cache_key(prompt, media_end, images)
         scope = request.cache_scope
         cache, reused = self.prefix_cache.take(key, scope) if self.prefix_cache else (None, 0)
