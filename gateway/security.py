@@ -94,6 +94,9 @@ def check_bind_policy(settings: GatewaySettings, has_keys: bool) -> None:
     )
 
 
+MIN_KEY_LENGTH = 16  # shorter keys are warned of: 8 hex characters are 4 billion guesses
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
@@ -128,6 +131,9 @@ class KeyRing:
         self._digests = [_digest(k) for k in keys]
         if keys or self._file is not None:
             log.info("%d %s loaded", len(self._digests), self.kind)
+        if short := sum(len(k) < MIN_KEY_LENGTH for k in keys):
+            log.warning("%d of the %s are shorter than %d characters: a client could guess them, a request a "
+                        "guess (make keys with `openssl rand -hex 32`)", short, self.kind, MIN_KEY_LENGTH)
 
     @property
     def enabled(self) -> bool:
@@ -181,6 +187,7 @@ class Guard:
         self.any_origin = "*" in settings.cors_origin
         self.origins = {o.encode() for o in settings.cors_origin}
         self.local_app_origin = re.compile(LOCAL_APP_ORIGINS.encode())
+        self.refusals = RefusalLog()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -204,19 +211,18 @@ class Guard:
                                  "cross_site_request")
         presented = presented_key(headers)
         key_id = self.keys.identify(presented) if self.keys.enabled else None
+        refusal = None
         if path == "/metrics" and (self.keys.enabled or self.metrics_keys.enabled):
             if key_id is None and self.metrics_keys.identify(presented) is None:
-                return await _reject(scope, send, 401, "/metrics needs an API key or a metrics key "
-                                     "(Authorization: Bearer KEY)", "invalid_api_key")
+                refusal = "/metrics needs an API key or a metrics key (Authorization: Bearer KEY)"
         elif path.startswith("/admin/") and self.admin_keys.enabled:
             if self.admin_keys.identify(presented) is None:
-                return await _reject(scope, send, 401, "/admin needs an admin key (Authorization: Bearer KEY)",
-                                     "invalid_api_key")
+                refusal = "/admin needs an admin key (Authorization: Bearer KEY)"
         elif self.keys.enabled and key_id is None and path.startswith(("/v1/", "/api/", "/admin/")):
-            return await _reject(
-                scope, send, 401, "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)",
-                "invalid_api_key",
-            )
+            refusal = "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)"
+        if refusal is not None:
+            self.refusals.refused((scope.get("client") or ("?",))[0], path)
+            return await _reject(scope, send, 401, refusal, "invalid_api_key")
         state = scope.setdefault("state", {})
         state["authenticated"] = key_id is not None or not self.keys.enabled
         state["client_id"] = key_id or (scope.get("client") or ("?",))[0]
@@ -265,6 +271,30 @@ def cross_site(headers: dict[bytes, bytes]) -> bool:
         return True
     origin = headers.get(b"origin")
     return origin is not None and origin.partition(b"://")[2] != headers.get(b"host", b"")
+
+
+class RefusalLog:
+    """A log line for the requests refused for their key, at most one a
+    minute per client address: who is guessing at keys shows in the log,
+    which a flood of guesses does not fill."""
+
+    EVERY_S = 60.0
+    MAX_ADDRESSES = 1024  # remembered at once; beyond, forgotten all together
+
+    def __init__(self) -> None:
+        self._since: dict[str, tuple[float, int]] = {}  # address -> (when its last line was logged, refused since)
+
+    def refused(self, address: str, path: str) -> None:
+        now = time.monotonic()
+        logged_at, count = self._since.get(address, (-self.EVERY_S, 0))
+        if now - logged_at < self.EVERY_S:
+            self._since[address] = (logged_at, count + 1)
+            return
+        if len(self._since) >= self.MAX_ADDRESSES:
+            self._since.clear()
+        self._since[address] = (now, 0)
+        log.warning("refused a request from %s to %s for a missing or wrong key%s", address, path,
+                    f" ({count} more since the last such line)" if count else "")
 
 
 async def _reject(scope, send, status: int, message: str, code: str) -> None:

@@ -70,6 +70,11 @@ def test_keys_are_required_on_v1(keyed):
     response = keyed.http.post("/v1/chat/completions", json=CHAT, headers={"x-api-key": "file-key-2"})
     assert response.status_code == 200
     assert keyed.http.get("/v1/models", headers={"x-api-key": "ignored-because-the-flag-wins"}).status_code == 401
+    # Who guesses at keys shows in the log, a line a minute per address however many guesses; and the
+    # keys, shorter than 16 characters, were warned of.
+    log = keyed.log_path.read_text()
+    assert log.count("refused a request from 127.0.0.1") == 1
+    assert "2 of the API keys are shorter than 16 characters" in log
 
 
 def test_health_is_open_but_details_need_a_key(keyed):

@@ -1,8 +1,9 @@
+import logging
 import os
 
 import pytest
 
-from gateway.security import KeyRing, is_loopback, keys_required, presented_key
+from gateway.security import KeyRing, RefusalLog, is_loopback, keys_required, presented_key
 from gateway.settings import GatewaySettings
 
 
@@ -94,3 +95,21 @@ def test_a_curve_secret_key_is_private_from_its_creation(tmp_path, monkeypatch):
     public, secret = generate(shared, "w1")
     assert (True, 0o600) in modes  # as it was written
     assert os.stat(secret).st_mode & 0o777 == 0o600 and os.stat(public).st_mode & 0o777 == 0o644
+
+
+def test_refusals_are_logged_a_line_a_minute_per_address(caplog, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr("gateway.security.time.monotonic", lambda: clock[0])
+    refusals = RefusalLog()
+    with caplog.at_level(logging.WARNING, logger="mlxd.gateway.security"):
+        for _ in range(5):
+            refusals.refused("10.0.0.7", "/v1/models")
+        refusals.refused("10.0.0.8", "/v1/models")
+        clock[0] += RefusalLog.EVERY_S
+        refusals.refused("10.0.0.7", "/v1/chat/completions")
+    assert [r.getMessage() for r in caplog.records] == [
+        "refused a request from 10.0.0.7 to /v1/models for a missing or wrong key",
+        "refused a request from 10.0.0.8 to /v1/models for a missing or wrong key",
+        "refused a request from 10.0.0.7 to /v1/chat/completions for a missing or wrong key "
+        "(4 more since the last such line)",
+    ]
