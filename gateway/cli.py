@@ -131,18 +131,20 @@ def keys_main(argv: list[str]) -> int:
     generate_parser.add_argument("--name", required=True, help="e.g. gateway, or the worker's host name")
     generate_parser.add_argument("--force", action="store_true", help="replace a key pair of that name")
     args = parser.parse_args(argv)
-    from gateway.curve import generate
+    from gateway.curve import CurveError, generate
 
     if not args.name or "/" in args.name or args.name.startswith("."):
         parser.error(f"--name {args.name!r}: a name is one file name, without / or a leading dot")
     existing = [p for p in (args.directory / f"{args.name}.key", args.directory / f"{args.name}.key_secret")
-                if p.exists()]
+                if p.exists() or p.is_symlink()]
     if existing and not args.force:
         parser.error(f"{existing[0]} exists: replacing it locks out whatever uses the pair (--force to replace it)")
     try:
         public, secret = generate(args.directory, args.name)
     except OSError as e:
         parser.error(f"cannot write the keys: {e}")
+    except CurveError as e:
+        parser.error(str(e))
     print(f"public key: {public}\nsecret key: {secret} (keep it private)")
     return 0
 

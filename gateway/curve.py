@@ -15,6 +15,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from protocol.curve_keys import load_secret_key
+
 log = logging.getLogger("mlxd.gateway.curve")
 
 
@@ -26,6 +28,9 @@ class WorkerAllowlist:
     """A ZAP credentials provider: allows the listed public keys, logs the rest."""
 
     def __init__(self, directory: Path) -> None:
+        if directory.stat().st_mode & 0o022:
+            raise CurveError(f"{directory} is writable by other users, who could authorize a worker of their own "
+                             f"there: make it this user's alone (chmod 700 {directory})")
         self.keys = set(zmq.auth.load_certificates(str(directory)))
         if not self.keys:
             raise CurveError(f"no public key files (*.key) in {directory}")
@@ -50,12 +55,12 @@ def secure_server(context: zmq.Context, socket: zmq.Socket, secret_key: str | No
             "--curve-authorized-keys DIR (make keys with `mlxd keys generate DIR --name NAME`)"
         )
     try:  # all read before the authenticator's thread starts: a failure must leave none to keep mlxd up
-        public, secret = zmq.auth.load_certificate(secret_key)
+        public, secret = load_secret_key(secret_key)
         allowlist = WorkerAllowlist(Path(authorized))
-    except (OSError, ValueError) as e:
+    except ValueError as e:
+        raise CurveError(str(e)) from None
+    except OSError as e:
         raise CurveError(f"cannot read the CURVE keys: {e}") from None
-    if secret is None:
-        raise CurveError(f"{secret_key} holds no secret key (use the .key_secret file)")
     # A plain (not asyncio) context on the same ZeroMQ context, for the thread's sockets.
     authenticator = ThreadAuthenticator(zmq.Context.shadow(context.underlying))
     authenticator.start()
@@ -68,6 +73,10 @@ def secure_server(context: zmq.Context, socket: zmq.Socket, secret_key: str | No
 
 def generate(directory: Path, name: str) -> tuple[Path, Path]:
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info = directory.stat()
+    if info.st_mode & 0o022 or info.st_uid != os.getuid():  # another user could plant a link where a key goes
+        raise CurveError(f"{directory} is another user's, or writable by other users: give a directory of this "
+                         "user's own")
     # Created private, not made so after: in a directory others can read, they could open it in between.
     umask = os.umask(0o077)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import zmq
 import zmq.auth
 
+from protocol.curve_keys import load_secret_key
 from protocol.worker_settings import WorkerSettings
 
 
@@ -29,12 +30,12 @@ def connect(context: zmq.Context, settings: WorkerSettings, identity: str) -> zm
                 "(its own .key_secret) and --curve-server-key FILE (the gateway's .key)"
             )
         try:
-            public, secret = zmq.auth.load_certificate(settings.curve_secret_key)
+            public, secret = load_secret_key(settings.curve_secret_key)
             server_public, _ = zmq.auth.load_certificate(settings.curve_server_key)
-        except (OSError, ValueError) as e:
+        except ValueError as e:
+            raise TransportError(str(e)) from None
+        except OSError as e:
             raise TransportError(f"cannot read the CURVE keys: {e}") from None
-        if secret is None:
-            raise TransportError(f"{settings.curve_secret_key} holds no secret key (use the .key_secret file)")
         socket.curve_secretkey = secret
         socket.curve_publickey = public
         socket.curve_serverkey = server_public

@@ -113,3 +113,26 @@ def test_refusals_are_logged_a_line_a_minute_per_address(caplog, monkeypatch):
         "refused a request from 10.0.0.7 to /v1/chat/completions for a missing or wrong key "
         "(4 more since the last such line)",
     ]
+
+
+def test_curve_keys_others_could_read_or_add_to_are_refused(tmp_path):
+    from gateway.curve import CurveError, WorkerAllowlist, generate
+    from protocol.curve_keys import load_secret_key
+
+    keys = tmp_path / "keys"
+    public, secret = generate(keys, "gateway")
+    assert load_secret_key(str(secret))[1]
+    secret.chmod(0o640)
+    with pytest.raises(ValueError, match="read by other users"):
+        load_secret_key(str(secret))
+    with pytest.raises(ValueError, match="holds no secret key"):
+        load_secret_key(str(public))
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "w1.key").write_bytes(public.read_bytes())
+    assert WorkerAllowlist(allowed).keys
+    allowed.chmod(0o777)
+    with pytest.raises(CurveError, match="writable by other users"):
+        WorkerAllowlist(allowed)
+    with pytest.raises(CurveError, match="writable by other users"):
+        generate(allowed, "w2")
