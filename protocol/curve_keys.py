@@ -15,7 +15,7 @@ def load_secret_key(path: str) -> tuple[bytes, bytes]:
         mode = os.stat(path).st_mode
         public, secret = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read the CURVE key {path}: {e}") from None
+        raise ValueError(f"cannot read the CURVE keys: {e}") from None
     if secret is None:
         raise ValueError(f"{path} holds no secret key (use the .key_secret file)")
     if mode & 0o077:

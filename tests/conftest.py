@@ -184,10 +184,12 @@ MODEL_NAME = "tiny"
 
 @pytest.fixture(scope="session")
 def server(tiny_model, tmp_path_factory):
-    """`mlxd serve` with the affinity audit on and a fast heartbeat."""
+    """`mlxd serve` with the affinity audit on and a fast heartbeat. Its model
+    stays loaded: a test process's other files can keep it idle past the
+    default keep-alive, and tests read its worker's state."""
     log = tmp_path_factory.mktemp("logs") / "serve.log"
-    with running(["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME, "--heartbeat-s", "0.05"],
-                 log, env={"MLXD_AFFINITY_AUDIT": "1"}) as srv:
+    with running(["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME, "--heartbeat-s", "0.05",
+                  "--keep-alive", "-1"], log, env={"MLXD_AFFINITY_AUDIT": "1"}) as srv:
         yield srv
 
 
