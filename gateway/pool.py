@@ -160,6 +160,9 @@ class ModelPool:
             raise ValueError(f"--pin names {len(set(pinned))} models; --max-loaded-models is {max_loaded}")
         self._lock = asyncio.Lock()  # one decision about loading and unloading at a time
         self._changed = asyncio.Event()  # set, and replaced, when a model becomes idle or unloads
+        # Models whose loads wait for busy ones to become idle, first come first: new requests to the
+        # busy ones wait behind them (else a model in steady use kept another out for good).
+        self._waiting_loads: list[PooledModel] = []
         self._reaper: asyncio.Task | None = None
         self._starting: set[str] = set()  # loaded at start, not yet ready
         self._unloading: set[asyncio.Task] = set()
@@ -225,11 +228,15 @@ class ModelPool:
         if (m.load_error() is not None and not retry_failed
                 and time.monotonic() - m.failed_at < FAILED_LOAD_HOLD_S):
             raise Unavailable(f"the model {name} cannot load: {m.failure}", "model_load_failed")
+        deadline = time.monotonic() + wait_s
+        while m.running and not m.pinned and any(o is not m for o in self._waiting_loads):
+            if not await _set_within(self._changed, deadline - time.monotonic()):
+                break  # the loads it waited behind give up before it would
         m.users += 1
         m.idle_once_ready = None
         m.last_used = time.monotonic()
         try:
-            await self._load(m, time.monotonic() + wait_s)
+            await self._load(m, deadline)
         except BaseException:
             lease.release()
             raise
@@ -251,7 +258,7 @@ class ModelPool:
             victims = self._room_for(m, charge.here(charge.fixed + with_it), idle_only=True)
             if victims is None:
                 alone = charge.here(batch_kv(footprint, rows) + other + charge.fixed)
-                pinned = [o for o in self.models.values() if o.pinned and o is not m and o.holds_memory]
+                pinned = self._pinned_besides(m)
                 # The pinned models' weights stay while their pins do, whatever ends: a retry would not fit either.
                 held = sum(o.charge.fixed_here for o in pinned)
                 never = alone + held > self.budget
@@ -414,31 +421,40 @@ class ModelPool:
         return sum(o.charge.total_here for o in self.models.values() if o.holds_memory and o is not m)
 
     async def _load(self, m: PooledModel, deadline: float) -> None:
-        while True:
-            async with self._lock:
-                if self._closing:
-                    raise Unavailable("the server is shutting down", "shutting_down")
-                if m.running:
-                    return
-                victims = self._room_for(m, m.charge.fixed_here, idle_only=True)
-                if victims is None and self._room_for(m, m.charge.fixed_here, idle_only=False) is None:
-                    raise Unavailable(f"the model {m.name} cannot load: {self._why_no_room(m)}",
-                                      never=m.charge.fixed_here > self.budget)
-                stops = self._make_room(victims or [], f"making room for {m.name}")
-                if m.stop_task is not None:
-                    stops.append(m.stop_task)  # its own worker exits before another starts
-                if victims is not None and not stops:
-                    await self._start(m)
-                    return
-                changed = self._changed
-            remaining = max(0.0, deadline - time.monotonic())
-            if stops:  # then look again: another request may have started it meanwhile
-                in_time = await self._stopped(stops, remaining)
-            else:
-                in_time = await _set_within(changed, remaining)
-            if not in_time:
-                raise Unavailable(f"no room to load {m.name} within the wait: {self._why_no_room(m)}; "
-                                  "the models in the way are busy")
+        try:
+            while True:
+                async with self._lock:
+                    if self._closing:
+                        raise Unavailable("the server is shutting down", "shutting_down")
+                    if m.running:
+                        return
+                    victims = self._room_for(m, m.charge.fixed_here, idle_only=True)
+                    if victims is None and self._room_for(m, m.charge.fixed_here, idle_only=False) is None:
+                        pinned = self._pinned_besides(m)
+                        if (m.charge.fixed_here + sum(o.charge.fixed_here for o in pinned) > self.budget
+                                or len(pinned) >= self.max_loaded):  # nor later, while the pins stand
+                            raise Unavailable(f"the model {m.name} cannot load: {self._why_no_room(m)}", never=True)
+                    stops = self._make_room(victims or [], f"making room for {m.name}")
+                    if m.stop_task is not None:
+                        stops.append(m.stop_task)  # its own worker exits before another starts
+                    if victims is not None and not stops:
+                        await self._start(m)
+                        return
+                    if victims is None and m not in self._waiting_loads:
+                        self._waiting_loads.append(m)
+                    changed = self._changed
+                remaining = max(0.0, deadline - time.monotonic())
+                if stops:  # then look again: another request may have started it meanwhile
+                    in_time = await self._stopped(stops, remaining)
+                else:
+                    in_time = await _set_within(changed, remaining)
+                if not in_time:
+                    raise Unavailable(f"no room to load {m.name} within the wait: {self._why_no_room(m)}; "
+                                      "the models in the way are busy")
+        finally:
+            if m in self._waiting_loads:
+                self._waiting_loads.remove(m)
+                self._notify()  # the requests held behind it go on
 
     def _room_for(self, m: PooledModel, need: int, idle_only: bool) -> list[PooledModel] | None:
         """The models to unload, so that `m`, charged `need` bytes, runs
@@ -469,11 +485,15 @@ class ModelPool:
             used -= held(victim)
         return victims
 
+    def _pinned_besides(self, m: PooledModel) -> list[PooledModel]:
+        return [o for o in self.models.values() if o.pinned and o.holds_memory and o is not m]
+
     def _why_no_room(self, m: PooledModel) -> str:
         if m.charge.fixed_here > self.budget:
             return (f"it needs {format_size(m.charge.fixed_here)} (weights and prefix cache), more than the "
                     f"memory budget of {format_size(self.budget)}")
-        running = [o.name for o in self.models.values() if o.holds_memory and o is not m]
+        running = [o.name + (" (pinned)" if o.pinned else "") for o in self.models.values()
+                   if o.holds_memory and o is not m]
         return (f"{len(running)} of at most {self.max_loaded} models loaded ({', '.join(running) or 'none'}), "
                 f"{format_size(self._used_without(m))} of the {format_size(self.budget)} budget in use; "
                 f"it needs {format_size(m.charge.fixed_here)}")

@@ -532,10 +532,11 @@ def test_a_pinned_model_loads_at_start_and_stays(models, tmp_path):
         assert complete(srv, "alpha")["choices"]  # keep-alive 0, but pinned: it stays
         time.sleep(1)
         assert statuses(srv)["alpha"] == "loaded"
-        # The one slot is alpha's for good: beta is refused at once, naming why.
+        # The one slot is alpha's for good: beta is refused at once, naming why, with a 400 (not a 503, which
+        # SDKs retry: it would never succeed while the pin stands).
         refused = srv.http.post("/v1/completions", json={"model": "beta", "prompt": PROMPT, "max_tokens": 2})
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_room"
-        assert "1 of at most 1 models loaded (alpha)" in refused.json()["error"]["message"]
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "no_room"
+        assert "1 of at most 1 models loaded (alpha (pinned))" in refused.json()["error"]["message"]
         # /admin takes the admin key, and only it.
         assert srv.http.post("/admin/models/alpha/unload").status_code == 401
         unloaded = srv.http.post("/admin/models/alpha/unload", headers={"Authorization": "Bearer admin-key-otter"})
@@ -549,6 +550,43 @@ def test_a_pinned_model_loads_at_start_and_stays(models, tmp_path):
         assert complete(srv, "beta")["choices"][0]["text"] == ref.greedy(ref.text_prompt(PROMPT), 8).text
     finally:
         srv.stop()
+
+
+def test_a_model_in_steady_use_keeps_no_other_model_out(models, tmp_path):
+    """One slot, alpha's requests back to back from four clients, then one for
+    beta: beta waited for an idle alpha that never came (a new request always
+    overlapped the last), and got a 503 at the end of its wait. New requests
+    to alpha now wait behind beta's load, first come first served."""
+    args = ["serve", "--heartbeat-s", "0.1", "--model", f"alpha={models['alpha']}", "--model",
+            f"beta={models['beta']}", "--max-loaded-models", "1", "--keep-alive", "10m", "--worker-wait-s", "20"]
+    srv = Server(args, tmp_path / "serve.log", env=LAZY)
+    stop = threading.Event()
+    answered: list[int] = []
+
+    def busy(tokens: int) -> None:  # of lengths that end apart, so that one always runs
+        while not stop.is_set():
+            answered.append(srv.http.post("/v1/completions", json={
+                "model": "alpha", "prompt": PROMPT, "max_tokens": tokens, "ignore_eos": True}).status_code)
+
+    clients = [threading.Thread(target=busy, args=(tokens,)) for tokens in (13, 21, 34, 55)]
+    try:
+        wait_for(srv.answers, 60, "the gateway")
+        for client in clients:
+            client.start()
+        wait_for(lambda: len(answered) >= 4, 60, "alpha's clients")
+        started = time.monotonic()
+        beta = srv.http.post("/v1/completions", json={"model": "beta", "prompt": PROMPT, "max_tokens": 8,
+                                                      "temperature": 0}, timeout=60)
+        assert beta.status_code == 200, beta.text
+        assert time.monotonic() - started < 15
+        ref = Reference(models["beta"])
+        assert beta.json()["choices"][0]["text"] == ref.greedy(ref.text_prompt(PROMPT), 8).text
+    finally:
+        stop.set()
+        for client in clients:
+            client.join(60)
+        srv.stop()
+    assert set(answered) == {200}  # alpha's clients waited their turn, then were answered
 
 
 def test_a_worker_slow_to_stop_holds_up_no_other_model_and_keeps_its_room(models, tmp_path):
