@@ -164,7 +164,8 @@ async def http_error_handler(request: Request, e: Exception) -> Response:
     assert isinstance(e, HTTPException)
     return error_response(
         request.scope,
-        APIError(e.status_code, str(e.detail), type=openai_error_type(e.status_code)),
+        APIError(e.status_code, str(e.detail), type=openai_error_type(e.status_code),
+                 headers=dict(e.headers) if e.headers else None),  # a 405's Allow
     )
 
 

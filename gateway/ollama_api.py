@@ -397,11 +397,14 @@ class OllamaAPI:
     async def ps(self, _request: Request) -> Response:
         serving, pool = self.serving, self.serving.pool
         now = time.time()
-        loaded = []
+        loaded, seen = [], set()
         for name in serving.model_names():
-            if pool.status(name) != "loaded":
-                continue
             pooled = pool.find(name)
+            # A model once, under its first name: its other names (--served-model-name) are the same memory.
+            model = pooled or serving.link.worker_of(name)
+            if pool.status(name) != "loaded" or id(model) in seen:
+                continue
+            seen.add(id(model))
             charge = pool.charge(name)
             unloads_in = (pooled.idle_until - time.monotonic()) if pooled is not None and not pooled.users else math.inf
             entry = self._entry(name)

@@ -227,7 +227,7 @@ class ModelPool:
         lease = Lease(self, m, keep_alive_s)
         if (m.load_error() is not None and not retry_failed
                 and time.monotonic() - m.failed_at < FAILED_LOAD_HOLD_S):
-            raise Unavailable(f"the model {name} cannot load: {m.failure}", "model_load_failed")
+            raise Unavailable(f"the model {name}: {m.failure}", "model_load_failed")
         deadline = time.monotonic() + wait_s
         while m.running and not m.pinned and any(o is not m for o in self._waiting_loads):
             if not await _set_within(self._changed, deadline - time.monotonic()):

@@ -251,8 +251,9 @@ class Serving:
                     self.served_name(model, worker.names)
             except BaseException as e:
                 lease.release()
-                if isinstance(e, WorkerUnavailable):
-                    raise unavailable(str(e)) from None
+                if isinstance(e, WorkerUnavailable):  # its model's load failed meanwhile: as later requests say
+                    failed = lease.model is not None and lease.model.load_error() is not None
+                    raise unavailable(str(e), "model_load_failed" if failed else "worker_unavailable") from None
                 raise
         finally:
             self.leasing -= 1

@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 import msgspec
 import msgspec.inspect as mi
 
+from protocol.units import parse_size
+
 S = TypeVar("S", bound=msgspec.Struct)
 
 
@@ -94,6 +96,11 @@ def resolve(
         if value is not None and isinstance(_unwrap(f.type)[0], mi.ListType):
             items = [value] if isinstance(value, str) else value
             value = [v.strip() for item in items for v in item.split(",") if v.strip()]
+        elif isinstance(value, str) and f.name.endswith("_bytes"):  # a size: 1G, 512M, or bytes
+            try:
+                value = parse_size(value)
+            except ValueError as e:
+                raise ValueError(f"{flag_name(f.name)} / {variable}: {e}") from None
         if value is not None:
             raw[f.name] = value
     try:

@@ -119,7 +119,9 @@ def test_context_length_error_code(server):
 
 def test_unknown_route_and_method(server):
     assert_openai_error(server.http.get("/v1/nothing-here"), 404, None)
-    assert_openai_error(server.http.get(CHAT), 405, None)
+    wrong_method = server.http.get(CHAT)
+    assert_openai_error(wrong_method, 405, None)
+    assert wrong_method.headers["allow"] == "POST"  # as HTTP asks of a 405
 
 
 def test_server_keeps_serving_after_bad_input(server, reference):

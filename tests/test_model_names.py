@@ -15,7 +15,7 @@ USER = [{"role": "user", "content": "Hello"}]
 
 @pytest.fixture(scope="module")
 def aliased(tiny_model, tmp_path_factory):
-    args = ["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME]
+    args = ["serve", "--model", str(tiny_model), "--served-model-name", MODEL_NAME, "--served-model-name", "tiny-too"]
     # From the environment, as a launchd plist carries them (the flag takes the same values).
     with running(args, tmp_path_factory.mktemp("alias") / "serve.log",
                  env={"MLXD_MODEL_ALIAS": f"claude-*={MODEL_NAME},gpt-4?*={MODEL_NAME}"}) as srv:
@@ -54,7 +54,7 @@ def test_a_name_in_another_case_reaches_its_model_as_in_ollama(aliased):
 
 def test_models_lists_served_names_and_retrieves_aliases_too(aliased):
     client = openai.OpenAI(base_url=aliased.url + "/v1", api_key="unused", max_retries=0)
-    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME, "tiny-too"]
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
     assert client.models.retrieve("claude-opus-4").id == "claude-opus-4"
     with pytest.raises(openai.NotFoundError):
@@ -65,3 +65,12 @@ def test_a_malformed_alias_is_refused_at_start():
     result = subprocess.run([*MLXD, "gateway", "--model-alias", "claude-*"], cwd=ROOT, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 2 and "--model-alias" in result.stderr
+
+
+def test_a_model_of_two_names_is_loaded_once_in_ollamas_ps(aliased):
+    """Its memory was counted under each name."""
+    assert aliased.http.post("/api/generate", json={"model": "tiny-too", "prompt": "Hi", "stream": False,
+                                                    "options": {"num_predict": 1}}).status_code == 200
+    assert [m["name"] for m in aliased.http.get("/api/ps").json()["models"]] == [MODEL_NAME + ":latest"]
+    assert [m["name"] for m in aliased.http.get("/api/tags").json()["models"]] == [
+        MODEL_NAME + ":latest", "tiny-too:latest"]

@@ -490,6 +490,7 @@ def test_a_model_that_cannot_load_fails_its_own_requests_with_the_reason(small_p
     refused = small_pool.http.post("/v1/completions", json=body)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_load_failed"
     assert "cannot load" in refused.json()["error"]["message"] and "nope" in refused.json()["error"]["message"]
+    assert refused.json()["error"]["message"].count("cannot load") == 1  # was "cannot load: cannot load the model"
     assert statuses(small_pool)["broken"] == "unloaded"
     assert small_pool.proc.poll() is None
 

@@ -30,10 +30,18 @@ def test_lists_take_repeats_and_commas():
     ([], {"MLXD_PORT": "abc"}, "--port / MLXD_PORT"),
     (["--log-level", "verbose"], {}, "--log-level / MLXD_LOG_LEVEL"),
     (["--stream-keepalive-s", "0.001"], {}, "--stream-keepalive-s / MLXD_STREAM_KEEPALIVE_S"),
+    (["--max-body-bytes", "8 megs"], {}, "--max-body-bytes / MLXD_MAX_BODY_BYTES"),
 ])
 def test_a_bad_value_names_its_flag_and_variable(argv, environ, named):
     with pytest.raises(ValueError, match=f"^{named}: "):
         parsed(GatewaySettings, argv, environ)
+
+
+def test_byte_settings_take_sizes():
+    """As --memory-budget does: --prefix-cache-bytes 1M was "Expected `int`, got `str`"."""
+    settings = parsed(WorkerSettings, ["--model", "m", "--prefix-cache-bytes", "1M"], {"MLXD_PREFIX_CACHE_DISK_BYTES": "2G"})
+    assert (settings.prefix_cache_bytes, settings.prefix_cache_disk_bytes) == (1 << 20, 2 << 30)
+    assert parsed(WorkerSettings, ["--model", "m", "--prefix-cache-bytes", "4096"]).prefix_cache_bytes == 4096
 
 
 def test_booleans_take_a_no_form():
