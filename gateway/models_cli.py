@@ -60,11 +60,12 @@ def ps_main(argv: list[str]) -> int:
     models = health.get("pool", {}).get("models", {})
 
     def until(w: dict) -> str:
-        """When the pool unloads the worker's model: in N s, once idle (-), never, or not the pool's (remote)."""
+        """When the pool unloads the worker's model: in N s, once idle (-), never (pinned, or kept by a
+        keep_alive of -1), or not the pool's (remote)."""
         if w.get("remote", True):
             return "remote"
         model: dict = next((models[name] for name in w.get("names", []) if name in models), {})
-        if model.get("pinned"):
+        if model.get("stays_loaded"):
             return "never"
         return "-" if model.get("unloads_in_s") is None else f"{model['unloads_in_s']:.0f}s"
 

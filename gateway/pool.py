@@ -389,9 +389,12 @@ class ModelPool:
                 "models": {m.name: self._ledger_entry(m, now) for m in self.models.values()}}
 
     def _ledger_entry(self, m: PooledModel, now: float) -> dict:
-        idle = m.running and not m.users and m.idle_until != math.inf
+        idle = m.running and not m.users and m.idle_once_ready is None
         entry: dict = {"status": self.status(m.name), "pinned": m.pinned, "users": m.users,
-                       "unloads_in_s": round(max(0.0, m.idle_until - now), 1) if idle else None,
+                       "unloads_in_s": round(max(0.0, m.idle_until - now), 1)
+                       if idle and m.idle_until != math.inf else None,
+                       # Idle, and loaded for good: pinned, or its last request's keep_alive was -1.
+                       "stays_loaded": m.pinned or idle and m.idle_until == math.inf,
                        # An operator asked it unloaded while requests ran: it unloads once none runs.
                        "unload_requested": m.unload_requested and m.running,
                        # Its worker keeps exiting: the supervisor starts it again after a pause.

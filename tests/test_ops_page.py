@@ -69,6 +69,9 @@ def test_the_page_shows_the_model_and_its_worker_and_follows_a_request(page, ser
                                             .textContent) >= {before + 24}""", timeout=SEEN_S)
     expect(page.locator("#now-tokens")).not_to_have_text("–", timeout=SEEN_S)
     expect(page.locator("#events")).to_contain_text("ready")
+    # Each event names its model, and a long reason (a load failure's) wraps instead of widening the page.
+    expect(page.locator("#events tbody tr td").nth(1)).to_have_text(MODEL_NAME)
+    assert page.locator("#events tbody td.why").first.evaluate("td => getComputedStyle(td).whiteSpace") == "normal"
 
 
 def test_a_server_that_stops_answering_for_a_while_is_said_so_and_then_not(page, served):

@@ -305,8 +305,14 @@ def test_keep_alive_zero_unloads_the_model_after_its_answer(lazy_pool, models):
     assert ps.status_code == 200, ps.text
     assert [m["expires_at"] for m in ps.json()["models"] if m["name"] == "beta:latest"] == [
         "9999-12-31T23:59:59.999999Z"]
+    # -1 keeps it for good, as pinning does: said so (`mlxd ps` and the ops page said "-", as for a busy model).
+    body["keep_alive"] = -1
+    assert lazy_pool.http.post("/v1/completions", json=body).status_code == 200
+    beta = lazy_pool.health()["pool"]["models"]["beta"]
+    assert beta["stays_loaded"] is True and beta["unloads_in_s"] is None
     body["keep_alive"] = "1m"
     assert lazy_pool.http.post("/v1/completions", json=body).status_code == 200
+    assert lazy_pool.health()["pool"]["models"]["beta"]["stays_loaded"] is False
 
 
 def test_an_unload_asked_while_an_admin_load_runs_stands(lazy_pool):
