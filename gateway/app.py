@@ -148,7 +148,10 @@ def create_app(settings: GatewaySettings, worker_settings: Sequence[WorkerSettin
     async def ready(_request: Request) -> Response:
         if (pool.ready if pool.models else link.ready) and not serving.draining:
             return MsgspecResponse({"ready": True})
-        return MsgspecResponse({"ready": False, "worker": worker_status(link)["state"]}, 503, {"Retry-After": "1"})
+        # Why: the models that keep it from being ready (the oldest worker's state said little beside others).
+        why = {"draining": True} if serving.draining else {"models": pool.not_ready()} if pool.models \
+            else {"worker": worker_status(link)["state"]}
+        return MsgspecResponse({"ready": False, **why}, 503, {"Retry-After": "1"})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

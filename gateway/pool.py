@@ -348,16 +348,20 @@ class ModelPool:
 
     @property
     def ready(self) -> bool:
-        """The models loaded at start (the pinned ones among them) have been
-        ready once, and none whose worker exited or stopped answering is
-        without a ready one (a crash, a restart, a worker frozen). A model
-        unloaded by an operator, pinned or not, or loading on demand is no
-        reason to send clients elsewhere."""
+        return not self.not_ready()
+
+    def not_ready(self) -> list[str]:
+        """The models that keep the server from being ready: those loaded at
+        start (the pinned ones among them) that have not been ready yet, and
+        those whose worker exited or stopped answering, without a ready one (a
+        crash, a restart, a worker frozen). A model unloaded by an operator,
+        pinned or not, or loading on demand is no reason to send clients elsewhere."""
         # One unloaded before it was ready (room for another model) is no longer awaited.
         self._starting = {name for name in self._starting if self.status(name) == "loading"}
         unhealthy = {name for w in self.link.workers.values() if w.vitals.state in UNHEALTHY for name in w.names}
-        return not self._starting and all(self.status(m.name) == "loaded" for m in self.models.values()
-                                          if m.running and (m.supervisor.restarted or m.name in unhealthy))
+        ailing = {m.name for m in self.models.values() if m.running and (m.supervisor.restarted or m.name in unhealthy)
+                  and self.status(m.name) != "loaded"}
+        return sorted(self._starting | ailing)
 
     def status(self, name: str) -> str:
         """"loaded" (a ready worker serves it), "loading" (started, not ready yet), "unloading" (its

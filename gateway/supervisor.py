@@ -114,8 +114,9 @@ class WorkerSupervisor:
         return self._restarts.in_loop(self._running_since, time.monotonic())
 
     def status(self) -> dict:
+        running = self.process is not None and self.process.returncode is None
         return {
-            "pid": self.process.pid if self.process else None,
+            "pid": self.process.pid if running else None,  # an exited worker's pid may soon be another process's
             "restarts": self.restarts,
             "last_exit_status": self.last_exit_status,
             "crash_loop": self.crash_loop,

@@ -128,6 +128,7 @@ def test_a_frozen_models_worker_makes_the_server_not_ready_until_it_answers_agai
     answers: list[dict] = []
     try:
         wait_for(lambda: pool.http.get("/ready").status_code == 503, 15, "/ready to see gamma's worker frozen")
+        assert pool.http.get("/ready").json() == {"ready": False, "models": ["gamma"]}  # which one, not why not
         # A request for gamma waits for a ready worker: the ops page counts it as waiting.
         asking = threading.Thread(target=lambda: answers.append(complete(pool, "gamma")), daemon=True)
         asking.start()
