@@ -114,9 +114,10 @@ class WorkerSupervisor:
         return self._restarts.in_loop(self._running_since, time.monotonic())
 
     def status(self) -> dict:
-        running = self.process is not None and self.process.returncode is None
+        process = self.process
         return {
-            "pid": self.process.pid if running else None,  # an exited worker's pid may soon be another process's
+            # An exited worker's pid may soon be another process's.
+            "pid": process.pid if process is not None and process.returncode is None else None,
             "restarts": self.restarts,
             "last_exit_status": self.last_exit_status,
             "crash_loop": self.crash_loop,
