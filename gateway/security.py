@@ -128,6 +128,9 @@ class KeyRing:
             keys += [key for line in self._file.read_text().splitlines() if (key := line.partition("#")[0].strip())]
             if not keys:
                 raise ValueError(f"{self._file} holds no key")
+            if self._file.stat().st_mode & 0o077:
+                log.warning("%s may be read by other users of this machine, and its keys with it: make it this "
+                            "user's alone (chmod 600 %s)", self._file, self._file)
         self._digests = [_digest(k) for k in keys]
         if keys or self._file is not None:
             log.info("%d %s loaded", len(self._digests), self.kind)

@@ -33,6 +33,17 @@ def test_a_reload_that_would_leave_no_key_is_refused(tmp_path):
     assert ring.identify("k2") and not ring.identify("k1")
 
 
+def test_a_key_file_others_may_read_is_warned_of(tmp_path, caplog):
+    key_file = tmp_path / "keys"
+    key_file.write_text("k1-long-enough-to-pass\n")
+    for mode, warned in ((0o600, False), (0o644, True)):
+        key_file.chmod(mode)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="mlxd.gateway.security"):
+            KeyRing([], str(key_file))
+        assert ("may be read by other users" in caplog.text) is warned
+
+
 def test_a_file_with_no_key_at_start_is_refused(tmp_path):
     """It served without keys, on loopback, where a proxy may bring the LAN (a server told to use keys)."""
     key_file = tmp_path / "keys"
