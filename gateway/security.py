@@ -223,12 +223,13 @@ class Guard:
                 refusal = "/admin needs an admin key (Authorization: Bearer KEY)"
         elif self.keys.enabled and key_id is None and path.startswith(("/v1/", "/api/", "/admin/")):
             refusal = "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)"
+        address = (scope.get("client") or ("?",))[0]
         if refusal is not None:
-            self.refusals.refused((scope.get("client") or ("?",))[0], path)
+            self.refusals.refused(address, path)
             return await _reject(scope, send, 401, refusal, "invalid_api_key")
         state = scope.setdefault("state", {})
         state["authenticated"] = key_id is not None or not self.keys.enabled
-        state["client_id"] = key_id or (scope.get("client") or ("?",))[0]
+        state["client_id"] = key_id or address
         state["key_id"] = key_id
         state["keep_alive_limit_s"] = self.keep_alive_limit_s
         return await self.app(scope, receive, send)
