@@ -63,7 +63,8 @@ class EmbeddingsAPI:
             # What a forward pass holds is the KV state of its tokens, as a prefill's; the worker
             # runs the inputs one after another, so the largest is what the request holds at once.
             footprint = worker.hello.kv_footprint
-            await lease.reserve(footprint, other=max(footprint.bytes_for(len(t)) for t in token_lists))
+            await lease.reserve(footprint, other=max(footprint.bytes_for(len(t)) for t in token_lists),
+                                wait_s=serving.settings.worker_wait_s)
             # Given up on (the client gone, or past --request-timeout-s), the request's Abort
             # drops the rest of its inputs in the worker, where later requests wait behind them.
             embedding = serving.link.embed(f"embd-{uuid.uuid4().hex}", token_lists, worker)

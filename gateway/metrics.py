@@ -95,6 +95,11 @@ class Metrics:
                       "# TYPE mlxd_model_loaded gauge"]
             lines += [f'mlxd_model_loaded{{model="{label(name)}"}} {LOADED[model["status"]]}'
                       for name, model in ledger["models"].items()]
+            lines += ["# HELP mlxd_requests_waiting_for_memory Requests waiting for the running ones to leave "
+                      "room for their KV state.",
+                      "# TYPE mlxd_requests_waiting_for_memory gauge"]
+            lines += [f'mlxd_requests_waiting_for_memory{{model="{label(name)}"}} {model["waiting_for_memory"]}'
+                      for name, model in ledger["models"].items()]
         return "\n".join(lines) + "\n"
 
 

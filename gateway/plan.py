@@ -203,6 +203,14 @@ def nonempty_stops(stops: list[str], param: str) -> list[str]:
     return stops
 
 
+def streamed(stream: bool | None, stream_options: object | None) -> bool:
+    """Whether an OpenAI request streams; its stream_options without `stream: true` are a 400, as
+    OpenAI has it (its spec: "Only set this when you set stream: true"), not options silently unused."""
+    if stream_options is not None and not stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    return bool(stream)
+
+
 def template_message(role: str, content: str | list[dict], tool_calls: list[dict] | None = None,
                      reasoning: str = "", **extra: str) -> dict:
     """One chat message as templates take it: its text or parts (text, image),

@@ -15,8 +15,10 @@ into room it has not given back, and requests for other models go on.
 
 Every request holds a Lease on its model while it runs, so its model is not
 unloaded under it, and reserves its KV state in the ledger before anything is
-sent to a worker: a request that cannot fit is refused with a 503 and
-Retry-After before its 200, never discovered by an out-of-memory crash.
+sent to a worker: a request that does not fit beside the running ones waits
+for them (first come, first served, within --worker-wait-s), and one that
+still cannot fit is refused with a 503 and Retry-After before its 200, never
+discovered by an out-of-memory crash.
 
 Workers that connect on their own (`mlxd gateway`, replicas, other Macs) are
 not the pool's: a request for one of their models (one the pool has not
@@ -112,11 +114,13 @@ class Lease:
     other: int = 0  # KV bytes reserved beside the decode batch
     released: bool = field(default=False)
 
-    async def reserve(self, footprint: KVFootprint, rows: Sequence[int] = (), other: int = 0) -> None:
+    async def reserve(self, footprint: KVFootprint, rows: Sequence[int] = (), other: int = 0,
+                      wait_s: float = 0.0) -> None:
         """Reserve KV memory for the request: sequences of up to `rows` tokens in
-        the model's batch, and `other` bytes beside it (Unavailable if it does not fit)."""
+        the model's batch, and `other` bytes beside it, waiting up to wait_s for
+        room (Unavailable if it does not fit by then)."""
         if self.model is not None:
-            await self.pool.reserve(self, footprint, list(rows), other)
+            await self.pool.reserve(self, footprint, list(rows), other, wait_s)
 
     def release(self) -> None:
         if not self.released:
@@ -163,6 +167,10 @@ class ModelPool:
         # Models whose loads wait for busy ones to become idle, first come first: new requests to the
         # busy ones wait behind them (else a model in steady use kept another out for good).
         self._waiting_loads: list[PooledModel] = []
+        # Requests waiting for KV room, first come first served among a model's requests: a large one
+        # is not passed for good by small ones. (Not across models: one waiting for room that an idle
+        # model would give must not hold up that model's own requests, which keep it busy meanwhile.)
+        self._waiting_room: list[Lease] = []
         self._reaper: asyncio.Task | None = None
         self._starting: set[str] = set()  # loaded at start, not yet ready
         self._unloading: set[asyncio.Task] = set()
@@ -242,42 +250,69 @@ class ModelPool:
             raise
         return lease
 
-    async def reserve(self, lease: Lease, footprint: KVFootprint, rows: list[int], other: int) -> None:
+    async def reserve(self, lease: Lease, footprint: KVFootprint, rows: list[int], other: int,
+                      wait_s: float) -> None:
         """Charge a request's KV state to its model (and its lease, which gives
         it back), unloading idle models to make room (returning once they have
-        exited); Unavailable if the budget cannot hold it now."""
+        exited). Where the budget cannot hold it beside the running requests,
+        it waits up to wait_s for them to end, behind the requests that began
+        waiting before it; Unavailable if it does not fit by then, or never could."""
         m = lease.model
         assert m is not None
-        async with self._lock:
-            if lease.released:  # its request ended (a cancel, a drain) while this waited for the lock
-                raise Unavailable("the request ended before its memory was reserved", "request_ended")
-            self._measure(m)  # its weights as its worker measured them: not on disk before a download, 0 till then
-            charge = m.charge
-            before = charge.kv_reserved
-            with_it = batch_kv(footprint, charge.rows + rows) + charge.kv_other + other
-            victims = self._room_for(m, charge.here(charge.fixed + with_it), idle_only=True)
-            if victims is None:
-                alone = charge.here(batch_kv(footprint, rows) + other + charge.fixed)
-                pinned = self._pinned_besides(m)
-                # The pinned models' weights stay while their pins do, whatever ends: a retry would not fit either.
-                held = sum(o.charge.fixed_here for o in pinned)
-                never = alone + held > self.budget
-                why = ("; lower max_tokens (or n)" if alone > self.budget else
-                       f"; the pinned models ({', '.join(o.name for o in pinned)}) hold the rest" if never else
-                       "; retry when running requests have finished")
-                raise Unavailable(
-                    f"the request's KV reservation ({format_size(with_it - before)}: its prompt plus max_tokens, "
-                    "every sequence of the model's batch as long as its longest) does not fit in the memory budget "
-                    f"({format_size(self.budget)}, {format_size(self.used)} in use){why}",
-                    "memory_budget_exceeded", never)
-            charge.footprint = footprint
-            charge.rows += rows
-            charge.kv_other += other
-            lease.rows += rows
-            lease.other += other
-            stops = self._make_room(victims, f"making room for a request to {m.name}")
+        deadline = time.monotonic() + wait_s
+        self._waiting_room.append(lease)
+        try:
+            while True:
+                async with self._lock:
+                    if self._closing:
+                        raise Unavailable("the server is shutting down", "shutting_down")
+                    if lease.released:  # its request ended (a cancel, a drain) while it waited
+                        raise Unavailable("the request ended before its memory was reserved", "request_ended")
+                    self._measure(m)  # its weights as its worker measured them: not on disk before a download
+                    charge = m.charge
+                    with_it = batch_kv(footprint, charge.rows + rows) + charge.kv_other + other
+                    victims = self._room_for(m, charge.here(charge.fixed + with_it), idle_only=True)
+                    first = next(waiting for waiting in self._waiting_room if waiting.model is m)
+                    if victims is not None and first is lease:
+                        charge.footprint = footprint
+                        charge.rows += rows
+                        charge.kv_other += other
+                        lease.rows += rows
+                        lease.other += other
+                        stops = self._make_room(victims, f"making room for a request to {m.name}")
+                        break
+                    if victims is None:
+                        self._refuse_never(m, footprint, rows, other, with_it - charge.kv_reserved)
+                    changed = self._changed
+                if not await _set_within(changed, deadline - time.monotonic()):
+                    raise Unavailable(
+                        f"the request's KV reservation ({format_size(with_it - charge.kv_reserved)}: its prompt "
+                        "plus max_tokens, every sequence of the model's batch as long as its longest) did not fit "
+                        f"in the memory budget ({format_size(self.budget)}, {format_size(self.used)} in use) "
+                        f"within {wait_s:g}s; retry when running requests have finished",
+                        "memory_budget_exceeded")
+        finally:
+            self._waiting_room.remove(lease)
+            if self._waiting_room:
+                self._notify()  # the next in line looks again
         if stops:
             await self._stopped(stops)
+
+    def _refuse_never(self, m: PooledModel, footprint: KVFootprint, rows: list[int], other: int,
+                      needed: int) -> None:
+        """A 400 for a reservation that would not fit however long it waited: too
+        large alone, or beside the pinned models' weights, which stay while their pins do."""
+        alone = m.charge.here(batch_kv(footprint, rows) + other + m.charge.fixed)
+        pinned = self._pinned_besides(m)
+        if alone + sum(o.charge.fixed_here for o in pinned) <= self.budget:
+            return
+        why = ("lower max_tokens (or n)" if alone > self.budget else
+               f"the pinned models ({', '.join(o.name for o in pinned)}) hold the rest")
+        raise Unavailable(
+            f"the request's KV reservation ({format_size(needed)}: its prompt plus max_tokens, every sequence of "
+            f"the model's batch as long as its longest) does not fit in the memory budget "
+            f"({format_size(self.budget)}, {format_size(self.used)} in use); {why}",
+            "memory_budget_exceeded", never=True)
 
     def release(self, lease: Lease) -> None:
         m = lease.model
@@ -395,6 +430,8 @@ class ModelPool:
     def _ledger_entry(self, m: PooledModel, now: float) -> dict:
         idle = m.running and not m.users and m.idle_once_ready is None
         entry: dict = {"status": self.status(m.name), "pinned": m.pinned, "users": m.users,
+                       # Its requests waiting for running ones to leave room for their KV state.
+                       "waiting_for_memory": sum(lease.model is m for lease in self._waiting_room),
                        "unloads_in_s": round(max(0.0, m.idle_until - now), 1)
                        if idle and m.idle_until != math.inf else None,
                        # Idle, and loaded for good: pinned, or its last request's keep_alive was -1.

@@ -411,7 +411,8 @@ class Serving:
         try:
             try:
                 await lease.reserve(worker.hello.kv_footprint,
-                                    [len(s.prompt) + s.sampling.max_tokens for s in group.states])
+                                    [len(s.prompt) + s.sampling.max_tokens for s in group.states],
+                                    wait_s=self.settings.worker_wait_s)
                 if not lease.released:  # else it ended (a cancel, a drain) while room was made: its error is queued
                     for state in group.states:
                         self.link.submit(state, worker)

@@ -30,7 +30,7 @@ class GatewaySettings(LogSettings, kw_only=True):
                          "is served by the served model NAME; /v1/models lists only served names"),
     ] = []
     worker_wait_s: Annotated[
-        float, Meta(ge=0, description="how long a request waits for a ready worker before a 503")
+        float, Meta(ge=0, description="how long a request waits for a ready worker, and then for room for its KV state, before a 503")
     ] = 30.0
     worker_timeout_s: Annotated[
         float, Meta(gt=0, description="a worker with no heartbeat this long is unresponsive (not ready)")

@@ -519,6 +519,39 @@ def test_a_budget_too_small_for_a_requests_reservation_is_a_400_before_the_200(s
     assert small_pool.health()["pool"]["models"]["alpha"]["memory"]["kv_reserved"] == 0
 
 
+def test_a_request_that_does_not_fit_beside_a_running_one_waits_for_it(models, tmp_path):
+    """The budget holds 2,000 tokens of KV state: a stream of 1,500 tokens holds 1,536 of them (a
+    256-token step); a second request would make the batch two rows of 1,536. It waits (it was a 503
+    at once), shows in /health and /metrics while it does, and is answered once the stream ends."""
+    args = ["serve", "--heartbeat-s", "0.1", "--model", f"alpha={models['alpha']}", "--prefix-cache-bytes", "0",
+            "--memory-budget", str(492_800 + 2000 * 512)]
+    with running(args, tmp_path / "serve.log") as srv:
+        stream = StreamReader(srv.url, max_tokens=1500)
+        stream.body["model"] = "alpha"
+        stream.start()
+        stream.wait_for_pieces(3, timeout=60)
+        answered: list = []
+
+        def second() -> None:
+            body = {"model": "alpha", "prompt": PROMPT, "max_tokens": 100, "temperature": 0}
+            answered.append(srv.http.post("/v1/completions", json=body, timeout=60))
+            answered.append(time.monotonic())
+
+        waiting = threading.Thread(target=second, daemon=True)
+        waiting.start()
+        wait_for(lambda: srv.health()["pool"]["models"]["alpha"]["waiting_for_memory"] == 1, 10, "it to wait")
+        assert scrape(srv)['mlxd_requests_waiting_for_memory{model="alpha"}'] == 1
+        stream.join(120)
+        waiting.join(60)
+        assert stream.failure is None and stream.done and len(answered) == 2
+        response, at = answered
+        assert response.status_code == 200, response.text
+        assert at > stream.times[-1]
+        ref = Reference(models["alpha"])
+        assert response.json()["choices"][0]["text"] == ref.greedy(ref.text_prompt(PROMPT), 100).text
+        assert srv.health()["pool"]["models"]["alpha"]["waiting_for_memory"] == 0
+
+
 def test_embeddings_reserve_their_largest_input_not_their_sum(small_pool, models):
     """The worker embeds the inputs one after another: three of 400 tokens fit a
     budget of 1,000 tokens of KV state; one of 1,200 does not."""

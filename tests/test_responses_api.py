@@ -139,6 +139,7 @@ def test_a_response_not_stored_cannot_be_continued(client):
                                      {"type": "function_call_output", "call_id": "c9", "output": "18"}]},
      "input[1].call_id"),
     ({"model": MODEL_NAME, "input": "x", "tool_choice": "required"}, "tool_choice"),
+    ({"model": MODEL_NAME, "input": "x", "stream_options": {"include_obfuscation": False}}, "stream_options"),
     ({"model": MODEL_NAME, "input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "banana"}}}},
      "text.format"),
 ])

@@ -5,7 +5,7 @@ from gateway.metrics import Metrics
 
 def test_a_model_name_with_quotes_backslashes_or_newlines_is_escaped():
     name = 'ti"ny\\x\nend'
-    ledger = {"budget": 100, "models": {name: {"status": "loaded", "memory": {"weights": 5, "total": 5}}}}
+    ledger = {"budget": 100, "models": {name: {"status": "loaded", "waiting_for_memory": 0, "memory": {"weights": 5, "total": 5}}}}
     worker = {"model": name, "pid": 7, "ready": True, "epoch": 1, "running": 0, "waiting": 0, "steps": 3}
     text = Metrics().render({"ready": True}, [worker], 0, ledger)
     assert 'mlxd_model_loaded{model="ti\\"ny\\\\x\\nend"} 1' in text
