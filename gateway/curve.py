@@ -16,6 +16,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from protocol.curve_keys import load_secret_key
+from protocol.private_dir import own_directory
 
 log = logging.getLogger("mlxd.gateway.curve")
 
@@ -28,6 +29,7 @@ class WorkerAllowlist:
     """A ZAP credentials provider: allows the listed public keys, logs the rest."""
 
     def __init__(self, directory: Path) -> None:
+        # Not own_directory: an allowlist may be kept by another user (root) and only read here.
         if directory.stat().st_mode & 0o022:
             raise CurveError(f"{directory} is writable by other users, who could authorize a worker of their own "
                              f"there: make it this user's alone (chmod 700 {directory})")
@@ -72,11 +74,10 @@ def secure_server(context: zmq.Context, socket: zmq.Socket, secret_key: str | No
 
 
 def generate(directory: Path, name: str) -> tuple[Path, Path]:
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    info = directory.stat()
-    if info.st_mode & 0o022 or info.st_uid != os.getuid():  # another user could plant a link where a key goes
-        raise CurveError(f"{directory} is another user's, or writable by other users: give a directory of this "
-                         "user's own")
+    try:
+        own_directory(directory, parents=True, tighten=False)  # another user could plant a link where a key goes
+    except ValueError as e:
+        raise CurveError(str(e)) from None
     # Created private, not made so after: in a directory others can read, they could open it in between.
     umask = os.umask(0o077)
     try:

@@ -12,9 +12,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import os
 import socket
-import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from gateway.curve import secure_server
 from protocol import ToWorker, encode_frames
+from protocol.private_dir import own_directory
 
 log = logging.getLogger("mlxd.gateway.link")
 
@@ -44,18 +43,6 @@ def ipc_listener_alive(path: str) -> bool:
     finally:
         probe.close()
     return True
-
-
-def ensure_private_dir(path: Path) -> None:
-    """Create `path` 0700, refusing one that is a symlink, not ours, or open to others."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise RuntimeError(f"{path} is not a plain directory; refusing to put the worker socket there")
-    if st.st_uid != os.getuid():
-        raise RuntimeError(f"{path} belongs to uid {st.st_uid}, not to this user")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)
 
 
 # A plain int: `&` with pyzmq's enum member makes a new enum member every time
@@ -145,7 +132,10 @@ class Transport:
         for tcp without usable keys."""
         if self.ipc:
             path = self.endpoint[len("ipc://") :]
-            ensure_private_dir(Path(path).parent)
+            try:
+                own_directory(Path(path).parent, parents=True)
+            except ValueError as e:
+                raise RuntimeError(f"refusing to put the worker socket there: {e}") from None
             if ipc_listener_alive(path):
                 raise EndpointInUse(f"another gateway is already listening on {self.endpoint}")
         elif self.endpoint.startswith("tcp://"):

@@ -53,6 +53,8 @@ import msgspec
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from protocol.private_dir import own_directory
+
 log = logging.getLogger("mlxd.worker")
 
 BLOCK_TOKENS = 256
@@ -189,28 +191,6 @@ def open_directory(directory: Path) -> Path:
         with contextlib.suppress(OSError), path.open("rb") as f:
             if f.read(len(MAGIC)) == MAGIC:
                 path.unlink(missing_ok=True)
-    return directory
-
-
-def own_directory(directory: Path, parents: bool = False, tighten: bool = True) -> Path:
-    """`directory`, made (0700) if it is not there, this user's own (not a
-    symbolic link, nobody else's), nobody else's to write; ValueError saying
-    why not. tighten: its mode is made 0700 (a model's directory, the
-    worker's own); else (the operator's) one others may write is refused,
-    never changed: `--prefix-cache-dir /tmp` must not close /tmp to everyone."""
-    with contextlib.suppress(FileExistsError):
-        directory.mkdir(mode=0o700, parents=parents)
-    info = directory.lstat()
-    if stat.S_ISLNK(info.st_mode):
-        raise ValueError(f"{directory} is a symbolic link: give the directory's own path")
-    if not stat.S_ISDIR(info.st_mode):
-        raise ValueError(f"{directory} is not a directory")
-    if info.st_uid != os.getuid():
-        raise ValueError(f"{directory} belongs to another user (uid {info.st_uid})")
-    if tighten and info.st_mode & 0o777 != 0o700:
-        directory.chmod(0o700)
-    elif info.st_mode & 0o022:
-        raise ValueError(f"{directory} is writable by other users: give a directory of the worker's own")
     return directory
 
 
