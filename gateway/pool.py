@@ -103,7 +103,7 @@ class PooledModel:
         return self.failure if not self.running else None
 
 
-@dataclass
+@dataclass(eq=False)  # two alike are still two requests: the line for room finds each by identity
 class Lease:
     """A request's hold on its model, and its KV reservation; released once."""
 
@@ -264,16 +264,15 @@ class ModelPool:
         try:
             while True:
                 async with self._lock:
-                    if self._closing:
-                        raise Unavailable("the server is shutting down", "shutting_down")
                     if lease.released:  # its request ended (a cancel, a drain) while it waited
                         raise Unavailable("the request ended before its memory was reserved", "request_ended")
                     self._measure(m)  # its weights as its worker measured them: not on disk before a download
                     charge = m.charge
-                    with_it = batch_kv(footprint, charge.rows + rows) + charge.kv_other + other
-                    victims = self._room_for(m, charge.here(charge.fixed + with_it), idle_only=True)
-                    first = next(waiting for waiting in self._waiting_room if waiting.model is m)
-                    if victims is not None and first is lease:
+                    needed = batch_kv(footprint, charge.rows + rows) + charge.kv_other + other - charge.kv_reserved
+                    victims = self._room_for(m, charge.here(charge.fixed + charge.kv_reserved + needed),
+                                             idle_only=True)
+                    ahead = [w for w in self._waiting_room[:self._waiting_room.index(lease)] if w.model is m]
+                    if victims is not None and not ahead:
                         charge.footprint = footprint
                         charge.rows += rows
                         charge.kv_other += other
@@ -282,15 +281,19 @@ class ModelPool:
                         stops = self._make_room(victims, f"making room for a request to {m.name}")
                         break
                     if victims is None:
-                        self._refuse_never(m, footprint, rows, other, with_it - charge.kv_reserved)
+                        self._refuse_never(m, footprint, rows, other, needed)
+                    # A request let in before the drain finishes if it fits; one that would wait is refused.
+                    if self._closing:
+                        raise Unavailable("the server is shutting down", "shutting_down")
                     changed = self._changed
                 if not await _set_within(changed, deadline - time.monotonic()):
+                    why = (f"did not fit in the memory budget ({format_size(self.budget)}, {format_size(self.used)} "
+                           "in use)" if victims is None else
+                           f"waited behind {len(ahead)} earlier request(s) to {m.name} that did not fit")
                     raise Unavailable(
-                        f"the request's KV reservation ({format_size(with_it - charge.kv_reserved)}: its prompt "
-                        "plus max_tokens, every sequence of the model's batch as long as its longest) did not fit "
-                        f"in the memory budget ({format_size(self.budget)}, {format_size(self.used)} in use) "
-                        f"within {wait_s:g}s; retry when running requests have finished",
-                        "memory_budget_exceeded")
+                        f"the request's KV reservation ({format_size(needed)}: its prompt plus max_tokens, every "
+                        f"sequence of the model's batch as long as its longest) {why} within {wait_s:g}s; retry "
+                        "when running requests have finished", "memory_budget_exceeded")
         finally:
             self._waiting_room.remove(lease)
             if self._waiting_room:
@@ -366,6 +369,7 @@ class ModelPool:
                 raise ValueError(f"pinning {name} would pin models needing {format_size(needed)} together, more "
                                  f"than the memory budget of {format_size(self.budget)}")
         m.pinned = pinned
+        self._notify()  # unpinned and idle, it may now go for a request waiting for room
         if pinned:
             m.idle_once_ready, m.idle_until, m.unload_requested = None, math.inf, False
         elif m.users == 0 and m.running and self.status(name) != "loaded":

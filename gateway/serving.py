@@ -410,9 +410,10 @@ class Serving:
         calls: Counter[int] = Counter()  # tool calls returned per choice
         try:
             try:
+                # The wait for room counts towards --request-timeout-s: no use reserving what would then time out.
                 await lease.reserve(worker.hello.kv_footprint,
                                     [len(s.prompt) + s.sampling.max_tokens for s in group.states],
-                                    wait_s=self.settings.worker_wait_s)
+                                    wait_s=min(self.settings.worker_wait_s, timeout or math.inf))
                 if not lease.released:  # else it ended (a cancel, a drain) while room was made: its error is queued
                     for state in group.states:
                         self.link.submit(state, worker)

@@ -22,6 +22,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from gateway.curve import secure_server
 from protocol import ToWorker, encode_frames
+from protocol.endpoints import runtime_dir
 from protocol.private_dir import own_directory
 
 log = logging.getLogger("mlxd.gateway.link")
@@ -132,8 +133,11 @@ class Transport:
         for tcp without usable keys."""
         if self.ipc:
             path = self.endpoint[len("ipc://") :]
+            directory = Path(path).parent
             try:
-                own_directory(Path(path).parent, parents=True)
+                # Only the default directory is made private here: one the operator names (their home,
+                # a shared runtime directory) is refused if others may write to it, never changed.
+                own_directory(directory, parents=True, tighten=directory == runtime_dir())
             except ValueError as e:
                 raise RuntimeError(f"refusing to put the worker socket there: {e}") from None
             if ipc_listener_alive(path):

@@ -80,7 +80,35 @@ def test_a_request_that_does_not_fit_within_its_wait_gets_the_retryable_refusal(
     asyncio.run(run())
 
 
-def test_a_drain_or_the_requests_own_end_stops_its_wait_at_once(tmp_path):
+def test_a_request_that_leaves_the_line_takes_only_its_own_place(tmp_path):
+    """Two requests alike (one model, no keep_alive, nothing reserved yet) are still two: the one
+    that leaves took the other's place in the line, which then waited behind a request long gone."""
+    async def run() -> None:
+        pool = pool_of(tmp_path, ["a"])
+        await run_deaf_worker(pool, "a", deaf=False)
+        a = pool.models["a"]
+        running, first, second = hold(pool, a), hold(pool, a), hold(pool, a)
+        try:
+            await running.reserve(KVFootprint(), other=300)
+            waiting_first = reserving(first, 300)
+            await asyncio.sleep(0.05)
+            waiting_second = reserving(second, 300)
+            await asyncio.sleep(0.05)
+            waiting_second.cancel()  # its client left
+            await asyncio.gather(waiting_second, return_exceptions=True)
+            running.release()
+            await asyncio.wait_for(waiting_first, 1)
+            assert a.charge.kv_other == 300 and pool.ledger()["models"]["a"]["waiting_for_memory"] == 0
+        finally:
+            for lease in (running, first, second):
+                lease.release()
+            await pool.stop()
+            await pool.link.close()
+
+    asyncio.run(run())
+
+
+def test_a_drain_or_the_requests_own_end_stops_its_wait_at_once_and_one_that_fits_goes_on(tmp_path):
     async def run() -> None:
         pool = pool_of(tmp_path, ["a"])
         await run_deaf_worker(pool, "a", deaf=False)
@@ -96,6 +124,10 @@ def test_a_drain_or_the_requests_own_end_stops_its_wait_at_once(tmp_path):
             pool.stop_restarting()
             with pytest.raises(Unavailable, match="shutting down"):
                 await asyncio.wait_for(waits[1], 1)
+            # One that fits goes on while the server drains: it came in before the drain began.
+            late = hold(pool, a)
+            await late.reserve(KVFootprint(), other=100, wait_s=5)
+            late.release()
             assert a.charge.kv_other == 300
         finally:
             for lease in (running, cancelled, drained):

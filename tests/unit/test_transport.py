@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import pytest
 import zmq
 
 from gateway.transport import MAX_FRAME_BYTES, Transport
@@ -160,3 +161,18 @@ def test_a_frame_past_the_limit_costs_its_sender_the_connection_not_the_gateway_
             transport.close()
 
     assert asyncio.run(gateway()) == [b"hello"]
+
+
+def test_a_socket_directory_others_may_write_to_is_refused_not_changed(tmp_path):
+    """One the operator names (--worker-endpoint) is theirs: refused if others may write to it, its mode
+    left alone (it was made 0700, closing a shared or home directory to everyone else)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    transport = Transport(f"ipc://{shared}/w.sock")
+    try:
+        with pytest.raises(RuntimeError, match="worker socket.*writable by other users"):
+            transport.bind()
+    finally:
+        transport.close()
+    assert shared.stat().st_mode & 0o777 == 0o777 and not (shared / "w.sock").exists()
