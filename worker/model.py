@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,7 +124,11 @@ def model_digest(path: Path) -> str:
             digest.update(f.name.encode() + b"\0" + hashlib.file_digest(data, "sha256").digest())
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        cached.write_text(digest.hexdigest())
+        # Written aside and moved into place: workers starting together (a group's ranks on one
+        # host, replicas) read the file as soon as it exists, and one half written is another digest.
+        writing = cached.with_name(f"{cached.name}.{os.getpid()}.{threading.get_ident()}")
+        writing.write_text(digest.hexdigest())
+        os.replace(writing, cached)
     except OSError as e:  # a read-only cache costs the next start a rehash, nothing more
         log.warning("could not keep the model digest in %s: %s", cached.parent, e)
     return digest.hexdigest()
