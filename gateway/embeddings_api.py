@@ -19,6 +19,7 @@ from gateway.pool import Unavailable
 from gateway.responses import MsgspecResponse
 from gateway.serving import Serving, refused, tokenize, unavailable, unless_client_leaves
 from gateway.worker_link import WorkerRejected, WorkerState, WorkerUnavailable
+from protocol import Embeddings
 
 
 def inputs_of(value: str | list) -> list[str | list[int]]:
@@ -63,13 +64,19 @@ class EmbeddingsAPI:
             # What a forward pass holds is the KV state of its tokens, as a prefill's; the worker
             # runs the inputs one after another, so the largest is what the request holds at once.
             footprint = worker.hello.kv_footprint
-            await lease.reserve(footprint, other=max(footprint.bytes_for(len(t)) for t in token_lists),
-                                wait_s=serving.settings.worker_wait_s)
-            # Given up on (the client gone, or past --request-timeout-s), the request's Abort
-            # drops the rest of its inputs in the worker, where later requests wait behind them.
-            embedding = serving.link.embed(f"embd-{uuid.uuid4().hex}", token_lists, worker)
-            result = await unless_client_leaves(
-                request, asyncio.wait_for(embedding, serving.settings.request_timeout_s or None))
+            timeout = serving.settings.request_timeout_s
+
+            async def embedded() -> Embeddings:
+                # Waiting for room counts towards --request-timeout-s, as a generation's does.
+                await lease.reserve(footprint, other=max(footprint.bytes_for(len(t)) for t in token_lists),
+                                    wait_s=min(serving.settings.worker_wait_s, timeout or math.inf))
+                # Given up on (the client gone, or past --request-timeout-s), the request's Abort
+                # drops the rest of its inputs in the worker, where later requests wait behind them.
+                return await asyncio.wait_for(serving.link.embed(f"embd-{uuid.uuid4().hex}", token_lists, worker),
+                                              timeout or None)
+
+            # A client that leaves while its request waits for room leaves the line then.
+            result = await unless_client_leaves(request, embedded())
             if result is None:
                 raise APIError(CANCELLED, "the client went away")
         except TimeoutError:

@@ -290,10 +290,9 @@ class ModelPool:
                     why = (f"did not fit in the memory budget ({format_size(self.budget)}, {format_size(self.used)} "
                            "in use)" if victims is None else
                            f"waited behind {len(ahead)} earlier request(s) to {m.name} that did not fit")
-                    raise Unavailable(
-                        f"the request's KV reservation ({format_size(needed)}: its prompt plus max_tokens, every "
-                        f"sequence of the model's batch as long as its longest) {why} within {wait_s:g}s; retry "
-                        "when running requests have finished", "memory_budget_exceeded")
+                    raise Unavailable(f"the request's KV reservation ({format_size(needed)}: {_reserved(rows)}) "
+                                      f"{why} within {wait_s:g}s; retry when running requests have finished",
+                                      "memory_budget_exceeded")
         finally:
             self._waiting_room.remove(lease)
             if self._waiting_room:
@@ -309,12 +308,11 @@ class ModelPool:
         pinned = self._pinned_besides(m)
         if alone + sum(o.charge.fixed_here for o in pinned) <= self.budget:
             return
-        why = ("lower max_tokens (or n)" if alone > self.budget else
+        why = (("lower max_tokens (or n)" if rows else "shorten its inputs") if alone > self.budget else
                f"the pinned models ({', '.join(o.name for o in pinned)}) hold the rest")
         raise Unavailable(
-            f"the request's KV reservation ({format_size(needed)}: its prompt plus max_tokens, every sequence of "
-            f"the model's batch as long as its longest) does not fit in the memory budget "
-            f"({format_size(self.budget)}, {format_size(self.used)} in use); {why}",
+            f"the request's KV reservation ({format_size(needed)}: {_reserved(rows)}) does not fit in the memory "
+            f"budget ({format_size(self.budget)}, {format_size(self.used)} in use); {why}",
             "memory_budget_exceeded", never=True)
 
     def release(self, lease: Lease) -> None:
@@ -652,6 +650,12 @@ class ModelPool:
         if self._closed.is_set():
             raise Unavailable("the server is shutting down", "shutting_down")
         return all(stop.done() for stop in stops)
+
+
+def _reserved(rows: list[int]) -> str:
+    """What a reservation is made of: a generation's sequences in the batch, or an embedding's forward pass."""
+    return ("its prompt plus max_tokens, every sequence of the model's batch as long as its longest" if rows
+            else "its largest input's KV state in a forward pass")
 
 
 async def _set_within(event: asyncio.Event, timeout: float) -> bool:

@@ -11,6 +11,7 @@ import subprocess
 import threading
 import time
 
+import httpx
 import pytest
 
 from tests.conftest import MLXD, ROOT, Server, free_port, running, wait_for
@@ -522,7 +523,8 @@ def test_a_budget_too_small_for_a_requests_reservation_is_a_400_before_the_200(s
 def test_a_request_that_does_not_fit_beside_a_running_one_waits_for_it(models, tmp_path):
     """The budget holds 2,000 tokens of KV state: a stream of 1,500 tokens holds 1,536 of them (a
     256-token step); a second request would make the batch two rows of 1,536. It waits (it was a 503
-    at once), shows in /health and /metrics while it does, and is answered once the stream ends."""
+    at once), shows in /health and /metrics while it does, and is answered once the stream ends.
+    An embedding that does not fit either, whose client leaves while it waits, leaves the line then."""
     args = ["serve", "--heartbeat-s", "0.1", "--model", f"alpha={models['alpha']}", "--prefix-cache-bytes", "0",
             "--memory-budget", str(492_800 + 2000 * 512)]
     with running(args, tmp_path / "serve.log") as srv:
@@ -530,6 +532,10 @@ def test_a_request_that_does_not_fit_beside_a_running_one_waits_for_it(models, t
         stream.body["model"] = "alpha"
         stream.start()
         stream.wait_for_pieces(3, timeout=60)
+        with pytest.raises(httpx.TimeoutException):  # the client gives up while the embedding waits
+            httpx.post(srv.url + "/v1/embeddings", json={"model": "alpha", "input": [[5] * 1600]}, timeout=0.5)
+        wait_for(lambda: srv.health()["pool"]["models"]["alpha"]["waiting_for_memory"] == 0, 10, "it to leave")
+        assert not stream.done  # it left as its client did, not once the stream made room
         answered: list = []
 
         def second() -> None:
@@ -560,6 +566,7 @@ def test_embeddings_reserve_their_largest_input_not_their_sum(small_pool, models
     assert three.status_code == 200 and len(three.json()["data"]) == 3
     one = small_pool.http.post("/v1/embeddings", json={"model": "alpha", "input": [[5] * 1200]})
     assert one.status_code == 400 and one.json()["error"]["code"] == "memory_budget_exceeded"
+    assert "shorten its inputs" in one.json()["error"]["message"] and "max_tokens" not in one.json()["error"]["message"]
 
 
 def test_a_pinned_model_loads_at_start_and_stays(models, tmp_path):
