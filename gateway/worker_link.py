@@ -383,10 +383,13 @@ class WorkerLink:
             elif identity in self.workers:
                 # Our Welcome crossed its retry, or (over tcp) its connection dropped
                 # and came back: answered now, so that a Goodbye right behind it
-                # finds no answer still to come. Which of the two it was cannot be
-                # told here, and taking back is harmless after a crossed Welcome.
+                # finds no answer still to come. Over tcp which of the two it was
+                # cannot be told here, and taking back costs only work redone after a
+                # crossed Welcome. Over ipc the connection lives as long as the
+                # process: it is a crossed Welcome, and its requests stay where they run.
                 self._send(identity, Welcome(message.epoch))
-                self._take_back(self.workers[identity])
+                if not self.transport.ipc:
+                    self._take_back(self.workers[identity])
             elif identity not in self._accepting:  # else the first Hello's answer welcomes it
                 task = asyncio.create_task(self._accept(identity, message))
                 self._accepting[identity] = task

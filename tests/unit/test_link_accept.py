@@ -3,15 +3,20 @@ together share one tokenizer load; a worker gone before its answer is not
 taken on; a retried Hello with a Goodbye behind it leaves no worker; a Hello
 the gateway cannot serve is refused with the reason; a request whose send
 fails waits for the next worker; an embedding whose send fails is refused at once;
-outputs nobody here reads are aborted in the worker that sent them."""
+outputs nobody here reads are aborted in the worker that sent them; a worker
+back over a new tcp connection has its requests taken back, one whose retried
+Hello crossed its Welcome over ipc keeps them."""
 
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import zmq
+import zmq.auth
 
+from gateway.curve import generate
 from gateway.output_processor import RequestState
 from gateway.worker_link import WorkerLink, WorkerState, WorkerUnavailable
 from protocol import (
@@ -28,6 +33,7 @@ from protocol import (
     decode_to_worker,
     encode,
 )
+from tests.conftest import free_port
 
 
 def hello(files: dict[str, bytes], epoch: int, **fields) -> bytes:
@@ -35,9 +41,19 @@ def hello(files: dict[str, bytes], epoch: int, **fields) -> bytes:
 
 
 @asynccontextmanager
-async def link_and_workers(endpoint: str, count: int) -> AsyncIterator[tuple[WorkerLink, list[zmq.Socket]]]:
-    """A started link and `count` connected worker sockets (DEALERs named worker-1...)."""
-    link = WorkerLink(endpoint, worker_timeout_s=30, hung_worker_s=30, worker_wait_s=5)
+async def link_and_workers(endpoint: str, count: int,
+                           keys: Path | None = None) -> AsyncIterator[tuple[WorkerLink, list[zmq.Socket]]]:
+    """A started link and `count` connected worker sockets (DEALERs named worker-1...);
+    `keys`: a directory to make CURVE keys in, which a tcp endpoint needs."""
+    curve: tuple[str | None, str | None] = (None, None)
+    if keys is not None:
+        gateway_public, gateway_secret = generate(keys / "gateway", "gateway")
+        worker_public, worker_secret = generate(keys / "worker", "worker")
+        (keys / "allowed").mkdir(mode=0o700)
+        (keys / "allowed" / "worker.key").write_bytes(worker_public.read_bytes())
+        curve = (str(gateway_secret), str(keys / "allowed"))
+    link = WorkerLink(endpoint, worker_timeout_s=30, hung_worker_s=30, worker_wait_s=5,
+                      curve_secret_key=curve[0], curve_authorized_keys=curve[1])
     link.bind()
     await link.start()
     context = zmq.Context()
@@ -46,6 +62,9 @@ async def link_and_workers(endpoint: str, count: int) -> AsyncIterator[tuple[Wor
         for epoch in range(1, count + 1):
             socket = context.socket(zmq.DEALER)
             socket.setsockopt(zmq.IDENTITY, f"worker-{epoch}".encode())
+            if keys is not None:
+                socket.curve_publickey, socket.curve_secretkey = zmq.auth.load_certificate(worker_secret)
+                socket.curve_serverkey, _ = zmq.auth.load_certificate(gateway_public)
             socket.connect(endpoint)
             sockets.append(socket)
         yield link, sockets
@@ -213,7 +232,7 @@ def test_a_worker_back_over_a_new_tcp_connection_has_its_requests_resumed_as_new
     files = tokenizer_files(tiny_model)
 
     async def run() -> None:
-        async with link_and_workers(f"ipc://{tmp_path}/link/w.sock", 1) as (link, (socket,)):
+        async with link_and_workers(f"tcp://127.0.0.1:{free_port()}", 1, tmp_path / "keys") as (link, (socket,)):
             worker = await welcomed(link, socket, files, 1)
             state = RequestState("r1", asyncio.Queue(), [1, 2, 3], Sampling(max_tokens=8), worker.tokenizer, [])
             link.outputs.add(state)
@@ -231,5 +250,29 @@ def test_a_worker_back_over_a_new_tcp_connection_has_its_requests_resumed_as_new
             assert await answer(socket) == Abort(["r1"])
             socket.send(encode(StepOutput(3, [RequestOutput("r1@1", [7])])))
             await until(lambda: state.generated == [5, 7])
+
+    asyncio.run(run())
+
+
+def test_a_retried_hello_over_ipc_leaves_the_workers_requests_where_they_run(tiny_model, tmp_path):
+    """Over ipc a connection lives as long as its worker: a second Hello is one whose retry crossed
+    the Welcome (a gateway slow to load the tokenizer). Its requests were taken back and sent again,
+    their work redone, and counted as resumed a second time."""
+    files = tokenizer_files(tiny_model)
+
+    async def run() -> None:
+        async with link_and_workers(f"ipc://{tmp_path}/link/w.sock", 1) as (link, (socket,)):
+            worker = await welcomed(link, socket, files, 1)
+            state = RequestState("r1", asyncio.Queue(), [1, 2, 3], Sampling(max_tokens=8), worker.tokenizer, [])
+            link.outputs.add(state)
+            link.submit(state, worker)
+            assert (await answer(socket)).request_id == "r1"
+            socket.send(hello(files, 1))
+            assert isinstance(await answer(socket), Welcome)
+            await asyncio.sleep(0.2)
+            assert not socket.poll(0)  # no Abort, no request sent again
+            socket.send(encode(StepOutput(1, [RequestOutput("r1", [5])])))
+            await until(lambda: state.generated == [5])
+            assert state.worker == worker.identity and link.stats.requests_resumed == 0
 
     asyncio.run(run())
