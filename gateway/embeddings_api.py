@@ -67,9 +67,8 @@ class EmbeddingsAPI:
             timeout = serving.settings.request_timeout_s
 
             async def embedded() -> Embeddings:
-                # Waiting for room counts towards --request-timeout-s, as a generation's does.
                 await lease.reserve(footprint, other=max(footprint.bytes_for(len(t)) for t in token_lists),
-                                    wait_s=min(serving.settings.worker_wait_s, timeout or math.inf))
+                                    wait_s=serving.room_wait_s)
                 # Given up on (the client gone, or past --request-timeout-s), the request's Abort
                 # drops the rest of its inputs in the worker, where later requests wait behind them.
                 return await asyncio.wait_for(serving.link.embed(f"embd-{uuid.uuid4().hex}", token_lists, worker),

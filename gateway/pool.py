@@ -290,9 +290,8 @@ class ModelPool:
                     why = (f"did not fit in the memory budget ({format_size(self.budget)}, {format_size(self.used)} "
                            "in use)" if victims is None else
                            f"waited behind {len(ahead)} earlier request(s) to {m.name} that did not fit")
-                    raise Unavailable(f"the request's KV reservation ({format_size(needed)}: {_reserved(rows)}) "
-                                      f"{why} within {wait_s:g}s; retry when running requests have finished",
-                                      "memory_budget_exceeded")
+                    raise Unavailable(f"{_reservation(needed, rows)} {why} within {wait_s:g}s; retry when running "
+                                      "requests have finished", "memory_budget_exceeded")
         finally:
             self._waiting_room.remove(lease)
             if self._waiting_room:
@@ -311,8 +310,8 @@ class ModelPool:
         why = (("lower max_tokens (or n)" if rows else "shorten its inputs") if alone > self.budget else
                f"the pinned models ({', '.join(o.name for o in pinned)}) hold the rest")
         raise Unavailable(
-            f"the request's KV reservation ({format_size(needed)}: {_reserved(rows)}) does not fit in the memory "
-            f"budget ({format_size(self.budget)}, {format_size(self.used)} in use); {why}",
+            f"{_reservation(needed, rows)} does not fit in the memory budget ({format_size(self.budget)}, "
+            f"{format_size(self.used)} in use); {why}",
             "memory_budget_exceeded", never=True)
 
     def release(self, lease: Lease) -> None:
@@ -652,10 +651,12 @@ class ModelPool:
         return all(stop.done() for stop in stops)
 
 
-def _reserved(rows: list[int]) -> str:
-    """What a reservation is made of: a generation's sequences in the batch, or an embedding's forward pass."""
-    return ("its prompt plus max_tokens, every sequence of the model's batch as long as its longest" if rows
-            else "its largest input's KV state in a forward pass")
+def _reservation(needed: int, rows: list[int]) -> str:
+    """A refused reservation, as its message names it: its size, and what it is made of (a
+    generation's sequences in the batch, or an embedding's forward pass)."""
+    made_of = ("its prompt plus max_tokens, every sequence of the model's batch as long as its longest" if rows
+               else "its largest input's KV state in a forward pass")
+    return f"the request's KV reservation ({format_size(needed)}: {made_of})"
 
 
 async def _set_within(event: asyncio.Event, timeout: float) -> bool:

@@ -410,10 +410,9 @@ class Serving:
         calls: Counter[int] = Counter()  # tool calls returned per choice
         try:
             try:
-                # The wait for room counts towards --request-timeout-s: no use reserving what would then time out.
                 await lease.reserve(worker.hello.kv_footprint,
                                     [len(s.prompt) + s.sampling.max_tokens for s in group.states],
-                                    wait_s=min(self.settings.worker_wait_s, timeout or math.inf))
+                                    wait_s=self.room_wait_s)
                 if not lease.released:  # else it ended (a cancel, a drain) while room was made: its error is queued
                     for state in group.states:
                         self.link.submit(state, worker)
@@ -485,6 +484,12 @@ class Serving:
         self.ended = message
         for _, group in self.running.values():
             group.end(message, 503)
+
+    @property
+    def room_wait_s(self) -> float:
+        """How long a request waits for KV room (ModelPool.reserve): --worker-wait-s, within
+        --request-timeout-s, since there is no use reserving what would then time out."""
+        return min(self.settings.worker_wait_s, self.settings.request_timeout_s or math.inf)
 
     def timed_out(self) -> APIError:
         return APIError(504, f"the request ran longer than the server's limit of {self.settings.request_timeout_s:g}s"
