@@ -606,7 +606,8 @@ def test_a_model_in_steady_use_keeps_no_other_model_out(models, tmp_path):
     overlapped the last), and got a 503 at the end of its wait. New requests
     to alpha now wait behind beta's load, first come first served."""
     args = ["serve", "--heartbeat-s", "0.1", "--model", f"alpha={models['alpha']}", "--model",
-            f"beta={models['beta']}", "--max-loaded-models", "1", "--keep-alive", "10m", "--worker-wait-s", "20"]
+            f"beta={models['beta']}", "--max-loaded-models", "1", "--keep-alive", "10m", "--worker-wait-s", "50"]
+    # alpha's clients wait through two loads (beta's, then alpha's again): 20 s of them on a loaded CI machine.
     srv = Server(args, tmp_path / "serve.log", env=LAZY)
     stop = threading.Event()
     answered: list[int] = []
